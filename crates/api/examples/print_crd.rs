@@ -1,0 +1,3 @@
+fn main() {
+    print!("{}", kinference_api::crd_yaml());
+}

@@ -1,0 +1,19 @@
+//! Names shared by the operator, the EPP and the gateway configuration.
+
+pub const GROUP: &str = "kinference.io";
+/// Pod label listing the models a model server serves (comma-separated).
+pub const MODELS_LABEL: &str = "kinference.io/models";
+/// Pod label naming the backend a Pod belongs to (`backend.name`).
+pub const BACKEND_LABEL: &str = "kinference.io/backend";
+/// Label on every object the operator generates, naming its policy.
+pub const POLICY_LABEL: &str = "kinference.io/policy";
+/// ConfigMap keys written by the operator and read by the EPP.
+pub const POLICY_KEY: &str = "policy.json";
+pub const POLICY_HASH_KEY: &str = "policy.sha256";
+/// Pod annotation where the EPP reports the policy hash it has loaded.
+pub const LOADED_HASH_ANNOTATION: &str = "kinference.io/loaded-policy-hash";
+/// Request header that sends a request to a provider's HTTPRoute rule.
+pub const DESTINATION_HEADER: &str = "x-kinference-destination";
+pub const CONDITION_ACCEPTED: &str = "Accepted";
+pub const CONDITION_RESOLVED_REFS: &str = "ResolvedRefs";
+pub const CONDITION_READY: &str = "Ready";

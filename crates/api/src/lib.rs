@@ -1,0 +1,12 @@
+//! The Kubernetes API of Kinference: the `InferencePolicy` custom resource
+//! (`kinference.io/v1alpha1`). Its spec is the policy language's own
+//! [`PolicySpec`], so what `kinference lint` checks is exactly what the
+//! operator compiles.
+#![forbid(unsafe_code)]
+
+mod crd;
+mod labels;
+
+pub use crd::{InferencePolicy, InferencePolicySpec, InferencePolicyStatus, crd, crd_yaml};
+pub use kinference_policy::PolicySpec;
+pub use labels::*;

@@ -1,0 +1,232 @@
+//! What evaluation reads: the request, the classifier tags, the candidates.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::attr::{CandidateAttr, CandidateType, Metric, RequestAttr};
+use crate::duration::parse_duration;
+use crate::model::ClassifierSet;
+
+/// Request attributes (SPEC.md section 3).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Request {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub path: String,
+    /// `chat`, `completions`, `embeddings` or `responses`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<String>,
+    /// Header names lower-cased.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<String>,
+    /// Seconds.
+    #[serde(default, rename = "ttftSLO", deserialize_with = "seconds_opt")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_slo: Option<f64>,
+}
+
+/// The value of an attribute, borrowed from the request or candidate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Val<'a> {
+    Text(&'a str),
+    Number(f64),
+    Set(&'a [String]),
+}
+
+impl Request {
+    pub fn value<'a>(&'a self, attr: &RequestAttr, tags: &'a Tags) -> Option<Val<'a>> {
+        let text = |s: &'a Option<String>| s.as_deref().map(Val::Text);
+        match attr {
+            RequestAttr::Model => (!self.model.is_empty()).then_some(Val::Text(&self.model)),
+            RequestAttr::Tenant => text(&self.tenant),
+            RequestAttr::Path => Some(Val::Text(&self.path)),
+            RequestAttr::Api => text(&self.api),
+            RequestAttr::Header(h) => self.headers.get(h).map(|v| Val::Text(v)),
+            RequestAttr::PromptTokens => Some(Val::Number(self.prompt_tokens as f64)),
+            RequestAttr::MaxTokens => self.max_tokens.map(|n| Val::Number(n as f64)),
+            RequestAttr::Stream => Some(Val::Text(if self.stream { "true" } else { "false" })),
+            RequestAttr::Lora => text(&self.lora),
+            RequestAttr::TtftSlo => self.ttft_slo.map(Val::Number),
+            RequestAttr::Tag => Some(Val::Set(&tags.tags)),
+        }
+    }
+}
+
+/// Tags emitted so far, and which classifiers have run (a classifier that
+/// timed out has run and emitted nothing).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tags {
+    pub computed: ClassifierSet,
+    pub tags: Vec<String>,
+}
+
+impl Tags {
+    /// Tags from a source that already ran every classifier (tests, explain).
+    pub fn complete(tags: Vec<String>) -> Self {
+        Tags {
+            computed: ClassifierSet(u64::MAX),
+            tags,
+        }
+    }
+
+    pub fn record(&mut self, classifier: usize, tags: impl IntoIterator<Item = String>) {
+        self.computed = self.computed.with(classifier);
+        for t in tags {
+            if !self.tags.contains(&t) {
+                self.tags.push(t);
+            }
+        }
+    }
+}
+
+/// One (destination, model) pair the request could be sent to.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Candidate {
+    #[serde(rename = "type")]
+    pub kind: CandidateType,
+    pub model: String,
+    /// Pod name, or provider name.
+    pub endpoint: String,
+    /// `ip:port` of a local Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    #[serde(default, rename = "backend", skip_serializing_if = "Option::is_none")]
+    pub backend_name: Option<String>,
+    #[serde(default, rename = "provider", skip_serializing_if = "Option::is_none")]
+    pub provider_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, flatten)]
+    pub metrics: Metrics,
+}
+
+/// Metric attributes; `None` when unknown (stale scrape, not priced, ...).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    #[serde(
+        rename = "QueueDepth",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub queue_depth: Option<f64>,
+    #[serde(
+        rename = "RunningRequests",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub running_requests: Option<f64>,
+    #[serde(
+        rename = "KVCacheUtilization",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub kv_cache_utilization: Option<f64>,
+    #[serde(
+        rename = "CachedPrefixTokens",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cached_prefix_tokens: Option<f64>,
+    /// Seconds.
+    #[serde(rename = "PredictedTTFT", default, deserialize_with = "seconds_opt")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft: Option<f64>,
+    /// Seconds.
+    #[serde(rename = "ObservedTTFT", default, deserialize_with = "seconds_opt")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub observed_ttft: Option<f64>,
+    #[serde(rename = "ErrorRate", default, skip_serializing_if = "Option::is_none")]
+    pub error_rate: Option<f64>,
+    /// USD for this request.
+    #[serde(rename = "Cost", default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    #[serde(
+        rename = "contextWindow",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub context_window: Option<f64>,
+}
+
+impl Metrics {
+    pub fn get(&self, metric: Metric) -> Option<f64> {
+        match metric {
+            Metric::QueueDepth => self.queue_depth,
+            Metric::RunningRequests => self.running_requests,
+            Metric::KvCacheUtilization => self.kv_cache_utilization,
+            Metric::CachedPrefixTokens => self.cached_prefix_tokens,
+            Metric::PredictedTtft => self.predicted_ttft,
+            Metric::ObservedTtft => self.observed_ttft,
+            Metric::ErrorRate => self.error_rate,
+            Metric::Cost => self.cost,
+            Metric::ContextWindow => self.context_window,
+        }
+        .filter(|v| !v.is_nan())
+    }
+}
+
+impl Candidate {
+    pub fn value(&self, attr: &CandidateAttr) -> Option<Val<'_>> {
+        match attr {
+            CandidateAttr::Type => Some(Val::Text(self.kind.as_str())),
+            CandidateAttr::Model => Some(Val::Text(&self.model)),
+            CandidateAttr::BackendName => self.backend_name.as_deref().map(Val::Text),
+            CandidateAttr::ProviderName => self.provider_name.as_deref().map(Val::Text),
+            CandidateAttr::Endpoint => Some(Val::Text(&self.endpoint)),
+            CandidateAttr::Zone => self.zone.as_deref().map(Val::Text),
+            CandidateAttr::Node => self.node.as_deref().map(Val::Text),
+            CandidateAttr::Label(k) => self.labels.get(k).map(|v| Val::Text(v)),
+            CandidateAttr::Metric(m) => self.metrics.get(*m).map(Val::Number),
+        }
+    }
+
+    /// The name `order` tiers and `backends.names` rank and select by.
+    pub fn destination_name(&self) -> Option<&str> {
+        match self.kind {
+            CandidateType::Local => self.backend_name.as_deref(),
+            CandidateType::Provider => self.provider_name.as_deref(),
+        }
+    }
+
+    /// A short label for traces: `provider/openai:gpt-4o` or `pod-1:qwen`.
+    pub fn label(&self) -> String {
+        match self.kind {
+            CandidateType::Local => format!("{}:{}", self.endpoint, self.model),
+            CandidateType::Provider => format!("provider/{}:{}", self.endpoint, self.model),
+        }
+    }
+}
+
+/// Durations in request/candidate files: `120ms`, `1.5s`, or a number of seconds.
+fn seconds_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Seconds(f64),
+        Text(String),
+    }
+    match Option::<Raw>::deserialize(d)? {
+        None => Ok(None),
+        Some(Raw::Seconds(s)) => Ok(Some(s)),
+        Some(Raw::Text(t)) => parse_duration(&t)
+            .map(|d| Some(d.as_secs_f64()))
+            .map_err(serde::de::Error::custom),
+    }
+}

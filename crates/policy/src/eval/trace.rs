@@ -1,0 +1,223 @@
+//! Explain traces: which rule matched and why, each phase's survivors, why
+//! each candidate was dropped. Evaluation is generic over [`Tracer`], so the
+//! hot path pays nothing when tracing is off ([`NoTrace`]).
+
+use serde::Serialize;
+
+use super::input::{Candidate, Request, Tags, Val};
+use super::predicate::first_failing;
+use crate::duration::format_seconds;
+use crate::model::{Predicate, Rank, Rule, Test, Tier, Value};
+
+pub trait Tracer {
+    fn restart(&mut self) {}
+    fn rule_skipped(&mut self, _index: usize, _rule: &Rule, _request: &Request, _tags: &Tags) {}
+    fn rule_matched(&mut self, _index: usize, _rule: &Rule) {}
+    fn considered(&mut self, _survivors: &[usize], _candidates: &[Candidate]) {}
+    fn exclude_skipped(&mut self, _item: usize) {}
+    fn dropped(&mut self, _index: usize, _candidate: &Candidate, _item: usize, _entry: usize) {}
+    fn tier(
+        &mut self,
+        _index: usize,
+        _tier: &Tier,
+        _survivors: &[usize],
+        _ranked: &[(usize, f64)],
+        _pick: Option<usize>,
+        _candidates: &[Candidate],
+    ) {
+    }
+    fn fell_through(&mut self, _index: usize) {}
+}
+
+/// Tracing off.
+pub struct NoTrace;
+impl Tracer for NoTrace {}
+
+#[derive(Debug, Default, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Trace {
+    pub rules: Vec<RuleTrace>,
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleTrace {
+    pub rule: String,
+    pub matched: bool,
+    /// Why each `matches` entry failed (first failing predicate).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_matched_because: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub considered: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub excludes_not_applied: Vec<usize>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dropped: Vec<CandidateDrop>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<TierTrace>,
+    pub fell_through: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CandidateDrop {
+    pub candidate: String,
+    /// `exclude[item].drop[entry]`.
+    pub exclude: usize,
+    pub entry: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TierTrace {
+    pub tier: usize,
+    pub objective: String,
+    /// Survivors this tier did not admit (wrong type, `if`, no objective value).
+    pub left_out: Vec<String>,
+    /// Admitted candidates, best first, with their objective value.
+    pub ranking: Vec<(String, String)>,
+    pub winner: Option<String>,
+}
+
+impl Trace {
+    fn current(&mut self) -> &mut RuleTrace {
+        self.rules.last_mut().expect("a rule is being traced")
+    }
+}
+
+impl Tracer for Trace {
+    fn restart(&mut self) {
+        self.rules.clear();
+    }
+
+    fn rule_skipped(&mut self, _index: usize, rule: &Rule, request: &Request, tags: &Tags) {
+        let reasons = rule
+            .matches
+            .iter()
+            .flatten()
+            .enumerate()
+            .filter_map(|(i, entry)| {
+                let p = first_failing(entry, |a| request.value(a, tags))?;
+                Some(format!(
+                    "matches[{i}]: {}",
+                    describe_failure(p, request.value(&p.attr, tags))
+                ))
+            })
+            .collect();
+        self.rules.push(RuleTrace {
+            rule: rule.name.clone(),
+            matched: false,
+            not_matched_because: reasons,
+            ..RuleTrace::default()
+        });
+    }
+
+    fn rule_matched(&mut self, _index: usize, rule: &Rule) {
+        self.rules.push(RuleTrace {
+            rule: rule.name.clone(),
+            matched: true,
+            ..RuleTrace::default()
+        });
+    }
+
+    fn considered(&mut self, survivors: &[usize], candidates: &[Candidate]) {
+        self.current().considered = survivors.iter().map(|&i| candidates[i].label()).collect();
+    }
+
+    fn exclude_skipped(&mut self, item: usize) {
+        self.current().excludes_not_applied.push(item);
+    }
+
+    fn dropped(&mut self, _index: usize, candidate: &Candidate, item: usize, entry: usize) {
+        self.current().dropped.push(CandidateDrop {
+            candidate: candidate.label(),
+            exclude: item,
+            entry,
+        });
+    }
+
+    fn tier(
+        &mut self,
+        index: usize,
+        tier: &Tier,
+        survivors: &[usize],
+        ranked: &[(usize, f64)],
+        pick: Option<usize>,
+        candidates: &[Candidate],
+    ) {
+        let value = |i: usize, key: f64| match &tier.rank {
+            Rank::Minimize(m) | Rank::Maximize(m) => {
+                let v = candidates[i].metrics.get(*m).unwrap_or(key);
+                if m.ty() == crate::attr::AttrType::Duration {
+                    format_seconds(v)
+                } else {
+                    format!("{v}")
+                }
+            }
+            Rank::Order(_) => format!("#{}", key as usize + 1),
+            Rank::Unranked => String::new(),
+        };
+        let left_out = survivors
+            .iter()
+            .filter(|i| !ranked.iter().any(|(r, _)| r == *i))
+            .map(|&i| candidates[i].label())
+            .collect();
+        let trace = TierTrace {
+            tier: index,
+            objective: describe_rank(&tier.rank),
+            left_out,
+            ranking: ranked
+                .iter()
+                .map(|&(i, k)| (candidates[i].label(), value(i, k)))
+                .collect(),
+            winner: pick.map(|p| candidates[ranked[p].0].label()),
+        };
+        self.current().tiers.push(trace);
+    }
+
+    fn fell_through(&mut self, _index: usize) {
+        self.current().fell_through = true;
+    }
+}
+
+fn describe_rank(rank: &Rank) -> String {
+    match rank {
+        Rank::Unranked => "consider order".into(),
+        Rank::Minimize(m) => format!("minimize {}", m.name()),
+        Rank::Maximize(m) => format!("maximize {}", m.name()),
+        Rank::Order(names) => format!("order [{}]", names.join(", ")),
+    }
+}
+
+fn describe_failure<A: std::fmt::Display>(p: &Predicate<A>, actual: Option<Val<'_>>) -> String {
+    let got = match actual {
+        None => "absent".to_string(),
+        Some(Val::Text(s)) => format!("{s:?}"),
+        Some(Val::Number(n)) => format!("{n}"),
+        Some(Val::Set(s)) => format!("[{}]", s.join(", ")),
+    };
+    format!("{} is {got}, wanted {}", p.attr, describe_test(&p.test))
+}
+
+fn describe_test(test: &Test) -> String {
+    let list = |vs: &[Value]| {
+        vs.iter()
+            .map(|v| match v {
+                Value::Text(t) => t.clone(),
+                Value::Number(n) => n.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match test {
+        Test::OneOf(vs) if vs.len() == 1 => list(vs),
+        Test::OneOf(vs) => format!("one of [{}]", list(vs)),
+        Test::NotIn(vs) => format!("none of [{}]", list(vs)),
+        Test::Compare(cmp, operand) => format!("{cmp:?} {operand:?}"),
+        Test::Prefix(p) => format!("prefix {p:?}"),
+        Test::Regex(r) => format!("regex {:?}", r.as_str()),
+        Test::ContainsAll(v) => format!("all of [{}]", v.join(", ")),
+        Test::ContainsNone(v) => format!("none of [{}]", v.join(", ")),
+        Test::Exists(b) => format!("exists: {b}"),
+    }
+}
