@@ -16,23 +16,11 @@ use serde::{Deserialize, Serialize};
     status = "InferencePolicyStatus",
     shortname = "ipol",
     category = "kinference",
-    printcolumn(
-        name = "Accepted",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
-    ),
-    printcolumn(
-        name = "Ready",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
-    ),
-    printcolumn(name = "Pool", type_ = "string", json_path = ".status.pool"),
-    printcolumn(name = "Rules", type_ = "integer", json_path = ".status.rules"),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn = r#"{"name":"Accepted","type":"string","jsonPath":".status.conditions[?(@.type==\"Accepted\")].status"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".status.pool"}"#,
+    printcolumn = r#"{"name":"Rules","type":"integer","jsonPath":".status.rules"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 pub struct InferencePolicySpec {
     #[serde(flatten)]
