@@ -91,10 +91,12 @@ fn tie_count(tier: &Tier, ranked: &[(usize, f64)]) -> usize {
         Some(Within::Absolute(a)) => a,
         Some(Within::Fraction(f)) => best.abs() * f,
     };
+    // At least the best itself, even when infinities make the distance NaN.
     ranked
         .iter()
         .take_while(|(_, v)| *v - best <= slack)
         .count()
+        .max(1)
 }
 
 fn break_tie<R: Rng + ?Sized>(

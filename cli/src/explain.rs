@@ -1,0 +1,214 @@
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use kinference_policy::CompiledPolicy;
+use kinference_policy::eval::{Candidate, Decision, Request, Trace, evaluate_with};
+use kinference_policy::source::{compile_text, parse_documents};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde_json::Value as Json;
+
+pub fn run(
+    policy: &Path,
+    request: &Path,
+    candidates: &Path,
+    json: bool,
+    seed: u64,
+) -> anyhow::Result<bool> {
+    let text = read(policy)?;
+    let compiled = compile_text(&text).map_err(|errors| {
+        let lines: Vec<_> = errors
+            .iter()
+            .map(|e| format!("{}: {e}", policy.display()))
+            .collect();
+        anyhow::anyhow!("the policy does not compile:\n{}", lines.join("\n"))
+    })?;
+    let (request, tags) = read_request(request)?;
+    let candidates: Vec<Candidate> = serde_json::from_value(read_value(candidates)?)
+        .with_context(|| format!("reading candidates from {}", candidates.display()))?;
+    let explanation = explain(&compiled, &request, &tags, &candidates, seed);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&explanation.to_json())?);
+    } else {
+        print!("{}", explanation.render());
+    }
+    Ok(true)
+}
+
+pub struct Explanation<'a> {
+    pub trace: Trace,
+    pub decision: Decision,
+    pub policy: &'a CompiledPolicy,
+    pub candidates: &'a [Candidate],
+    pub tags: Vec<String>,
+}
+
+/// Evaluates with tracing. Classifiers emit those of `tags` they own, as if
+/// they had run on the prompt; the others emit nothing (like a timeout).
+pub fn explain<'a>(
+    policy: &'a CompiledPolicy,
+    request: &Request,
+    tags: &[String],
+    candidates: &'a [Candidate],
+    seed: u64,
+) -> Explanation<'a> {
+    let mut trace = Trace::default();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (decision, emitted) =
+        evaluate_with(policy, request, candidates, &mut rng, &mut trace, |c| {
+            let owned = &policy.classifiers[c].tags;
+            tags.iter().filter(|t| owned.contains(t)).cloned().collect()
+        });
+    Explanation {
+        trace,
+        decision,
+        policy,
+        candidates,
+        tags: emitted.tags,
+    }
+}
+
+impl Explanation<'_> {
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if !self.tags.is_empty() {
+            let _ = writeln!(out, "tags: {}", self.tags.join(", "));
+        }
+        for rule in &self.trace.rules {
+            if !rule.matched {
+                let _ = writeln!(out, "rule {}: no match", rule.rule);
+                for why in &rule.not_matched_because {
+                    let _ = writeln!(out, "  {why}");
+                }
+                continue;
+            }
+            let _ = writeln!(out, "rule {}: matched", rule.rule);
+            let _ = writeln!(out, "  consider: {}", list(&rule.considered));
+            for item in &rule.excludes_not_applied {
+                let _ = writeln!(out, "  exclude[{item}]: if did not hold, nothing dropped");
+            }
+            for d in &rule.dropped {
+                let _ = writeln!(
+                    out,
+                    "  exclude[{}].drop[{}] dropped {}",
+                    d.exclude, d.entry, d.candidate
+                );
+            }
+            for tier in &rule.tiers {
+                let ranking: Vec<_> = tier
+                    .ranking
+                    .iter()
+                    .map(|(c, v)| {
+                        if v.is_empty() {
+                            c.clone()
+                        } else {
+                            format!("{c}={v}")
+                        }
+                    })
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "  select[{}] ({}): {}",
+                    tier.tier,
+                    tier.objective,
+                    list(&ranking)
+                );
+                if !tier.left_out.is_empty() {
+                    let _ = writeln!(out, "    not in this tier: {}", tier.left_out.join(", "));
+                }
+                if let Some(w) = &tier.winner {
+                    let _ = writeln!(out, "    winner: {w}");
+                }
+            }
+            if rule.fell_through {
+                let _ = writeln!(out, "  no tier had a survivor: onEmpty FallThrough");
+            }
+        }
+        let _ = writeln!(out, "decision: {}", self.describe_decision());
+        out
+    }
+
+    fn describe_decision(&self) -> String {
+        match &self.decision {
+            Decision::Route(r) => {
+                let c = &self.candidates[r.winner];
+                let fallback: Vec<_> = r.ranked[1..]
+                    .iter()
+                    .map(|&i| self.candidates[i].label())
+                    .collect();
+                let mut s = format!(
+                    "route to {} by rule {}",
+                    c.label(),
+                    self.policy.rules[r.rule].name
+                );
+                if let Some(addr) = &c.address {
+                    let _ = write!(s, " at {addr}");
+                }
+                if !fallback.is_empty() {
+                    let _ = write!(s, "; fallback {}", fallback.join(", "));
+                }
+                s
+            }
+            Decision::Reject(r) => match r.rule {
+                Some(i) => format!(
+                    "reject {} {:?} by rule {}",
+                    r.status, r.message, self.policy.rules[i].name
+                ),
+                None => format!("reject {} {:?}", r.status, r.message),
+            },
+        }
+    }
+
+    pub fn to_json(&self) -> Json {
+        let decision = match &self.decision {
+            Decision::Route(r) => serde_json::json!({
+                "action": "route",
+                "rule": self.policy.rules[r.rule].name,
+                "candidate": self.candidates[r.winner].label(),
+                "address": self.candidates[r.winner].address,
+                "ranked": r.ranked.iter().map(|&i| self.candidates[i].label()).collect::<Vec<_>>(),
+            }),
+            Decision::Reject(r) => serde_json::json!({
+                "action": "reject",
+                "rule": r.rule.map(|i| self.policy.rules[i].name.clone()),
+                "status": r.status,
+                "message": r.message,
+            }),
+        };
+        serde_json::json!({ "tags": self.tags, "trace": self.trace, "decision": decision })
+    }
+}
+
+fn list(items: &[String]) -> String {
+    if items.is_empty() {
+        "(none)".into()
+    } else {
+        items.join(", ")
+    }
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+fn read_value(path: &Path) -> anyhow::Result<Json> {
+    let docs =
+        parse_documents(&read(path)?).map_err(|d| anyhow::anyhow!("{}: {d}", path.display()))?;
+    match docs.into_iter().next() {
+        Some(doc) => Ok(doc.value),
+        None => bail!("{} is empty", path.display()),
+    }
+}
+
+/// A request file is the request's attributes plus optional `tags`.
+fn read_request(path: &Path) -> anyhow::Result<(Request, Vec<String>)> {
+    let mut value = read_value(path)?;
+    let tags = match value.as_object_mut().and_then(|m| m.remove("tags")) {
+        None => Vec::new(),
+        Some(t) => serde_json::from_value(t).context("tags must be a list of strings")?,
+    };
+    let request = serde_json::from_value(value)
+        .with_context(|| format!("reading the request from {}", path.display()))?;
+    Ok((request, tags))
+}
