@@ -9,6 +9,10 @@ use super::{Routed, Tracer};
 use crate::attr::CandidateType;
 use crate::model::{Rank, Route, TieBreak, Tier, Within};
 
+/// How many runners-up the fallback list carries: the gateway retries a few
+/// endpoints, never hundreds, and a partial sort keeps big pools cheap.
+pub const MAX_FALLBACKS: usize = 8;
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn select<R: Rng + ?Sized, T: Tracer>(
     rule: usize,
@@ -21,18 +25,21 @@ pub(super) fn select<R: Rng + ?Sized, T: Tracer>(
     tracer: &mut T,
 ) -> Option<Routed> {
     for (tier_index, tier) in route.select.iter().enumerate() {
-        let ranked = rank_tier(tier, survivors, candidates, request, tags);
+        let mut ranked = rank_tier(tier, survivors, candidates, request, tags);
         if ranked.is_empty() {
             tracer.tier(tier_index, tier, survivors, &ranked, None, candidates);
             continue;
         }
-        let ties = tie_count(tier, &ranked);
-        let pick = break_tie(route.tie_break, &ranked[..ties], candidates, rng);
-        tracer.tier(tier_index, tier, survivors, &ranked, Some(pick), candidates);
-        let winner = ranked[pick].0;
-        let mut order = Vec::with_capacity(ranked.len());
-        order.push(winner);
-        order.extend(ranked.iter().map(|(i, _)| *i).filter(|i| *i != winner));
+        let winner = pick_winner(tier, route.tie_break, &ranked, candidates, rng);
+        let order = rank_order(&mut ranked, winner, T::FULL_RANKING);
+        tracer.tier(
+            tier_index,
+            tier,
+            survivors,
+            &ranked,
+            Some(winner),
+            candidates,
+        );
         return Some(Routed {
             rule,
             winner,
@@ -42,7 +49,79 @@ pub(super) fn select<R: Rng + ?Sized, T: Tracer>(
     None
 }
 
-/// Eligible candidates of a tier with their rank keys, best first. Candidates
+/// Best first by (key, consider order): a total order, so results are
+/// deterministic. Sorts fully only when a tracer wants the whole ranking.
+fn rank_order(ranked: &mut [(usize, f64)], winner: usize, full: bool) -> Vec<usize> {
+    let by_rank = |a: &(usize, f64), b: &(usize, f64)| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0));
+    let keep = if full {
+        ranked.len()
+    } else {
+        ranked.len().min(MAX_FALLBACKS + 1)
+    };
+    if keep < ranked.len() {
+        ranked.select_nth_unstable_by(keep - 1, by_rank);
+    }
+    ranked[..keep].sort_unstable_by(by_rank);
+    let mut order = Vec::with_capacity(keep.min(MAX_FALLBACKS + 1));
+    order.push(winner);
+    order.extend(
+        ranked[..keep]
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|i| *i != winner)
+            .take(MAX_FALLBACKS),
+    );
+    order
+}
+
+/// The winner among the candidates tied with the best (`within`), by tieBreak.
+fn pick_winner<R: Rng + ?Sized>(
+    tier: &Tier,
+    tie_break: TieBreak,
+    ranked: &[(usize, f64)],
+    candidates: &[Candidate],
+    rng: &mut R,
+) -> usize {
+    let best = ranked
+        .iter()
+        .copied()
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+        .expect("ranked is not empty");
+    let slack = match (&tier.rank, tier.within) {
+        // Unranked tiers keep consider order; every member is a tie.
+        (Rank::Unranked, _) => f64::INFINITY,
+        (_, None) => 0.0,
+        (_, Some(Within::Absolute(a))) => a,
+        (_, Some(Within::Fraction(f))) => best.1.abs() * f,
+    };
+    // The best always ties with itself, even when infinities make distances NaN.
+    let tied = |&(i, v): &(usize, f64)| i == best.0 || v - best.1 <= slack;
+    let first_by_rank = |filter: &dyn Fn(usize) -> bool| {
+        ranked
+            .iter()
+            .filter(|e| tied(e) && filter(e.0))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+            .map(|e| e.0)
+    };
+    match tie_break {
+        TieBreak::RankOrder => best.0,
+        TieBreak::PreferLocal => {
+            first_by_rank(&|i| candidates[i].kind == CandidateType::Local).unwrap_or(best.0)
+        }
+        TieBreak::Random => {
+            let count = ranked.iter().filter(|e| tied(e)).count();
+            let nth = rng.random_range(0..count);
+            ranked
+                .iter()
+                .filter(|e| tied(e))
+                .nth(nth)
+                .map_or(best.0, |e| e.0)
+        }
+    }
+}
+
+/// Eligible candidates of a tier with their rank keys (lower is better), in
+/// consider order. Candidates
 /// without the objective (or not named by `order`) leave the tier.
 fn rank_tier(
     tier: &Tier,
@@ -60,7 +139,7 @@ fn rank_tier(
                     .any(|e| conjunction_holds(e, |a| c.value(a), request, tags))
             })
     });
-    let mut ranked: Vec<(usize, f64)> = match &tier.rank {
+    match &tier.rank {
         Rank::Unranked => eligible.map(|i| (i, 0.0)).collect(),
         Rank::Minimize(m) => eligible
             .filter_map(|i| candidates[i].metrics.get(*m).map(|v| (i, v)))
@@ -74,43 +153,5 @@ fn rank_tier(
                 names.iter().position(|n| n == name).map(|p| (i, p as f64))
             })
             .collect(),
-    };
-    // Stable: equal keys keep consider order, so results are deterministic.
-    ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
-    ranked
-}
-
-/// How many leading entries tie with the best.
-fn tie_count(tier: &Tier, ranked: &[(usize, f64)]) -> usize {
-    if tier.rank == Rank::Unranked {
-        return ranked.len();
-    }
-    let best = ranked[0].1;
-    let slack = match tier.within {
-        None => 0.0,
-        Some(Within::Absolute(a)) => a,
-        Some(Within::Fraction(f)) => best.abs() * f,
-    };
-    // At least the best itself, even when infinities make the distance NaN.
-    ranked
-        .iter()
-        .take_while(|(_, v)| *v - best <= slack)
-        .count()
-        .max(1)
-}
-
-fn break_tie<R: Rng + ?Sized>(
-    tie_break: TieBreak,
-    tied: &[(usize, f64)],
-    candidates: &[Candidate],
-    rng: &mut R,
-) -> usize {
-    match tie_break {
-        TieBreak::RankOrder => 0,
-        TieBreak::PreferLocal => tied
-            .iter()
-            .position(|(i, _)| candidates[*i].kind == CandidateType::Local)
-            .unwrap_or(0),
-        TieBreak::Random => rng.random_range(0..tied.len()),
     }
 }

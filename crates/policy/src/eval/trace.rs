@@ -10,6 +10,8 @@ use crate::duration::format_seconds;
 use crate::model::{Predicate, Rank, Rule, Test, Tier, Value};
 
 pub trait Tracer {
+    /// Whether `tier` wants every candidate ranked (costly), or only the top.
+    const FULL_RANKING: bool = false;
     fn restart(&mut self) {}
     fn rule_skipped(&mut self, _index: usize, _rule: &Rule, _request: &Request, _tags: &Tags) {}
     fn rule_matched(&mut self, _index: usize, _rule: &Rule) {}
@@ -22,7 +24,7 @@ pub trait Tracer {
         _tier: &Tier,
         _survivors: &[usize],
         _ranked: &[(usize, f64)],
-        _pick: Option<usize>,
+        _winner: Option<usize>,
         _candidates: &[Candidate],
     ) {
     }
@@ -86,6 +88,8 @@ impl Trace {
 }
 
 impl Tracer for Trace {
+    const FULL_RANKING: bool = true;
+
     fn restart(&mut self) {
         self.rules.clear();
     }
@@ -142,7 +146,7 @@ impl Tracer for Trace {
         tier: &Tier,
         survivors: &[usize],
         ranked: &[(usize, f64)],
-        pick: Option<usize>,
+        winner: Option<usize>,
         candidates: &[Candidate],
     ) {
         let value = |i: usize, key: f64| match &tier.rank {
@@ -170,7 +174,7 @@ impl Tracer for Trace {
                 .iter()
                 .map(|&(i, k)| (candidates[i].label(), value(i, k)))
                 .collect(),
-            winner: pick.map(|p| candidates[ranked[p].0].label()),
+            winner: winner.map(|w| candidates[w].label()),
         };
         self.current().tiers.push(trace);
     }
