@@ -173,6 +173,7 @@ pub struct RuleSpec {
     pub name: String,
     /// Entries are ORed; predicates within an entry are ANDed. Unset: every request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "predicate_entries_schema")]
     pub matches: Option<Vec<Predicates>>,
     pub route: RouteClause,
 }
@@ -271,6 +272,17 @@ pub struct RejectSpec {
     pub status: Option<u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+}
+
+/// Entries of free-form predicate maps. Typed as opaque objects, not maps of
+/// opaque values, because CEL rules (`has(r.matches)`) cannot see fields of a
+/// type that has `additionalProperties` with unknown fields.
+fn predicate_entries_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "nullable": true,
+        "items": { "type": "object", "x-kubernetes-preserve-unknown-fields": true }
+    })
 }
 
 /// `attribute: how-to-match` pairs, ANDed.
