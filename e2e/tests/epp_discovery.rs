@@ -1,0 +1,195 @@
+//! EPP Pod discovery against a real kube-apiserver (`kinference_e2e::cluster`):
+//! Pods become endpoints when Ready, leave when not, models come from the
+//! label or from the Pod's `/v1/models`, and an API-server restart does not
+//! stop discovery.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kinference_e2e::cluster::TestCluster;
+use kinference_epp::endpoints::{EndpointRegistry, run_pod_discovery};
+use kube::Client;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const NS: &str = "epp-discovery";
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn create_namespace(client: &Client, name: &str) -> anyhow::Result<()> {
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await?;
+    Ok(())
+}
+
+async fn create_pod(pods: &Api<Pod>, name: &str, labels: serde_json::Value) -> anyhow::Result<()> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "vllm", "image": "example.invalid/vllm:latest"}]}
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    Ok(())
+}
+
+/// Plays kubelet: writes the Pod's status.
+async fn set_status(pods: &Api<Pod>, name: &str, ip: &str, ready: bool) -> anyhow::Result<()> {
+    pods.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
+            }
+        })),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A minimal HTTP server answering `GET /v1/models` with `models`.
+async fn models_server(models: &'static [&'static str]) -> anyhow::Result<u16> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let data: Vec<_> = models
+        .iter()
+        .map(|id| json!({"id": id, "object": "model"}))
+        .collect();
+    let body = json!({"object": "list", "data": data}).to_string();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let response = if buf.starts_with(b"GET /v1/models ") {
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                } else {
+                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        .to_string()
+                };
+                let _ = sock.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(port)
+}
+
+#[tokio::test]
+async fn pod_discovery_follows_readiness_and_survives_apiserver_restart() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start_without_crds().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // The unlabelled Pod's "IP" is loopback, where a fake server answers
+    // /v1/models on the pool's target port.
+    let port = models_server(&["llama-3-8b", "sql-lora"]).await?;
+
+    // One Pod exists and is Ready before discovery starts.
+    create_pod(
+        &pods,
+        "ready-0",
+        json!({"app": "model-server", "kinference.io/models": "llama-3-8b"}),
+    )
+    .await?;
+    set_status(&pods, "ready-0", "10.0.0.10", true).await?;
+    // Outside the selector: never an endpoint.
+    create_pod(&pods, "other-0", json!({"app": "something-else"})).await?;
+    set_status(&pods, "other-0", "10.0.0.99", true).await?;
+
+    let registry = EndpointRegistry::new(Duration::from_secs(1));
+    let selector = BTreeMap::from([("app".to_string(), "model-server".to_string())]);
+    let discovery = tokio::spawn(run_pod_discovery(
+        client.clone(),
+        NS.to_string(),
+        selector,
+        port,
+        Arc::clone(&registry),
+    ));
+
+    wait_for("initial sync", || registry.synced()).await;
+    let ep = registry.get("ready-0").expect("ready-0 listed at sync");
+    assert_eq!(ep.address(), format!("10.0.0.10:{port}"));
+    assert_eq!(ep.models, ["llama-3-8b"]);
+    assert_eq!(ep.namespace, NS);
+    assert_eq!(registry.len(), 1, "other-0 is outside the selector");
+
+    // A new Pod is not an endpoint until Ready, with an IP.
+    create_pod(&pods, "late-1", json!({"app": "model-server"})).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        registry.get("late-1").is_none(),
+        "pending pod must not be an endpoint"
+    );
+    set_status(&pods, "late-1", "127.0.0.1", true).await?;
+    wait_for("late-1 with models from /v1/models", || {
+        registry
+            .get("late-1")
+            .is_some_and(|e| e.models == ["llama-3-8b", "sql-lora"])
+    })
+    .await;
+
+    // Not Ready any more: removed on that very event.
+    set_status(&pods, "ready-0", "10.0.0.10", false).await?;
+    wait_for("ready-0 removed when not ready", || {
+        registry.get("ready-0").is_none()
+    })
+    .await;
+    set_status(&pods, "ready-0", "10.0.0.11", true).await?;
+    wait_for("ready-0 back with its new IP", || {
+        registry
+            .get("ready-0")
+            .is_some_and(|e| e.ip.to_string() == "10.0.0.11")
+    })
+    .await;
+
+    // The API server goes away and comes back: discovery keeps working.
+    cluster.restart_apiserver().await?;
+    // Retry: right after the restart the server may still refuse writes.
+    let deadline = Instant::now() + WAIT;
+    while let Err(e) = pods
+        .delete("late-1", &DeleteParams::default().grace_period(0))
+        .await
+    {
+        assert!(
+            Instant::now() < deadline,
+            "delete after restart failed: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_for("late-1 removed after delete", || {
+        registry.get("late-1").is_none()
+    })
+    .await;
+    assert!(registry.get("ready-0").is_some());
+    assert!(
+        !discovery.is_finished(),
+        "discovery must survive the restart"
+    );
+    discovery.abort();
+    Ok(())
+}

@@ -1,0 +1,2 @@
+//! Routing quality on the simulator (work in progress).
+fn main() {}

@@ -1,0 +1,101 @@
+//! Runs the classifiers a reached rule needs: concurrently, each within its
+//! timeout. A classifier that fails or times out emits no tags.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kinference_classifiers::{BuiltinKind, classify};
+use kinference_policy::model::{Classifier, ClassifierKind, ClassifierSet};
+use serde::Deserialize;
+
+/// What one classifier run produced.
+#[derive(Debug)]
+pub struct ClassifierRun {
+    pub index: usize,
+    pub tags: Vec<String>,
+    pub elapsed: Duration,
+    pub timed_out: bool,
+    pub failed: bool,
+}
+
+#[derive(Clone)]
+pub struct ClassifierRunner {
+    http: reqwest::Client,
+}
+
+impl Default for ClassifierRunner {
+    fn default() -> Self {
+        ClassifierRunner {
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("a plain HTTP client builds"),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct HttpAnswer {
+    #[serde(default)]
+    tags: Vec<String>,
+}
+
+impl ClassifierRunner {
+    /// Runs `needed` over the prompt and returns each run.
+    pub async fn run(
+        &self,
+        classifiers: &[Classifier],
+        needed: ClassifierSet,
+        prompt: &Arc<str>,
+    ) -> Vec<ClassifierRun> {
+        let runs = needed
+            .iter()
+            .filter(|&i| i < classifiers.len())
+            .map(|i| self.run_one(i, &classifiers[i], prompt.clone()));
+        futures::future::join_all(runs).await
+    }
+
+    async fn run_one(&self, index: usize, c: &Classifier, prompt: Arc<str>) -> ClassifierRun {
+        let started = Instant::now();
+        let work = async {
+            match &c.kind {
+                ClassifierKind::Builtin(kind) => {
+                    let kind = BuiltinKind::parse(kind).ok_or(())?;
+                    // CPU-bound on large prompts: keep it off the async workers.
+                    tokio::task::spawn_blocking(move || classify(kind, &prompt))
+                        .await
+                        .map_err(|_| ())
+                }
+                ClassifierKind::Http { url } => {
+                    let answer = self
+                        .http
+                        .post(url)
+                        .json(&serde_json::json!({ "prompt": &*prompt }))
+                        .send()
+                        .await
+                        .and_then(|r| r.error_for_status())
+                        .map_err(|_| ())?;
+                    let body: HttpAnswer = answer.json().await.map_err(|_| ())?;
+                    // Only tags the classifier declared: the policy was checked against them.
+                    Ok(body
+                        .tags
+                        .into_iter()
+                        .filter(|t| c.tags.contains(t))
+                        .collect())
+                }
+            }
+        };
+        let (tags, timed_out, failed) = match tokio::time::timeout(c.timeout, work).await {
+            Ok(Ok(tags)) => (tags, false, false),
+            Ok(Err(())) => (Vec::new(), false, true),
+            Err(_) => (Vec::new(), true, false),
+        };
+        ClassifierRun {
+            index,
+            tags,
+            elapsed: started.elapsed(),
+            timed_out,
+            failed,
+        }
+    }
+}

@@ -1,0 +1,612 @@
+//! The shared view of local endpoints that the request path reads on every
+//! request.
+//!
+//! # Design
+//!
+//! Writers (discovery, the scraper) and readers (every request) meet here, and
+//! readers vastly outnumber writers at high request rates, so reads must be an
+//! atomic load and nothing more in the common case:
+//!
+//! * The endpoint set is an [`ArcSwap`]'d immutable `Table` (a list plus a
+//!   name index). Membership changes, which are rare, copy the table under a
+//!   writer mutex and swap it in.
+//! * Each endpoint's latest metrics live in its own [`ArcSwapOption`] inside
+//!   the table's slot, so the scraper (tens of writes per second per
+//!   endpoint) never copies the table.
+//! * [`EndpointRegistry::snapshot`] returns a cached `Arc<Vec<EndpointView>>`.
+//!   The cache is rebuilt lazily, by the first reader that notices either that
+//!   something changed (a version counter every write bumps) or that one of
+//!   the cached metrics has since passed its staleness deadline. So the
+//!   rebuild rate is bounded by both the write rate and the request rate, and
+//!   staleness is still decided at snapshot time, exactly.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use tokio::sync::watch;
+
+/// The smallest staleness window [`default_staleness`] hands out: shorter
+/// windows would make metrics flap on ordinary scheduling jitter.
+pub const MIN_STALENESS: Duration = Duration::from_millis(250);
+
+/// The staleness window for a scrape interval: three missed scrapes, at least
+/// [`MIN_STALENESS`].
+pub fn default_staleness(scrape_interval: Duration) -> Duration {
+    (scrape_interval * 3).max(MIN_STALENESS)
+}
+
+/// One model-server endpoint the EPP may route to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Unique key in the registry (the Pod name under discovery).
+    pub name: String,
+    /// Kubernetes namespace; empty for standalone endpoints.
+    pub namespace: String,
+    /// Address the gateway should send traffic to.
+    pub ip: IpAddr,
+    /// Port the model server listens on.
+    pub port: u16,
+    /// Models (and LoRA adapters) this endpoint serves. Empty means "not known
+    /// yet" (e.g. `/v1/models` has not answered): treat it as serving nothing.
+    pub models: Vec<String>,
+    /// The serving stack / workload this endpoint belongs to (label
+    /// `kinference.io/backend`, else the owning Deployment or StatefulSet).
+    pub backend: Option<String>,
+    /// Topology zone (`topology.kubernetes.io/zone`).
+    pub zone: Option<String>,
+    /// Kubernetes node name.
+    pub node: Option<String>,
+    /// All labels of the Pod (or of the standalone spec).
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Endpoint {
+    /// `ip:port`, with IPv6 addresses in brackets, as the GIE protocol's
+    /// `x-gateway-destination-endpoint` header expects.
+    pub fn address(&self) -> String {
+        std::net::SocketAddr::new(self.ip, self.port).to_string()
+    }
+}
+
+/// Load metrics scraped from one endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScrapedMetrics {
+    /// Requests queued, not yet running.
+    pub waiting: f64,
+    /// Requests being served.
+    pub running: f64,
+    /// KV-cache utilisation, 0..=1.
+    pub kv_cache_usage: f64,
+    /// LoRA adapters loaded and serving.
+    pub running_loras: Vec<String>,
+    /// LoRA adapters with requests waiting.
+    pub waiting_loras: Vec<String>,
+    /// How many adapters fit on the GPU at once.
+    pub max_lora: Option<u32>,
+    /// KV-cache block size in tokens (vLLM `cache_config_info`), if exposed.
+    pub block_size: Option<u32>,
+    /// Number of KV-cache blocks on the GPU (vLLM `cache_config_info`), if
+    /// exposed.
+    pub num_gpu_blocks: Option<u64>,
+    /// When the scrape that produced these values finished.
+    pub scraped_at: Instant,
+}
+
+impl ScrapedMetrics {
+    /// All-zero metrics stamped `scraped_at`; handy for tests and
+    /// struct-update syntax.
+    pub fn empty(scraped_at: Instant) -> Self {
+        Self {
+            waiting: 0.0,
+            running: 0.0,
+            kv_cache_usage: 0.0,
+            running_loras: Vec::new(),
+            waiting_loras: Vec::new(),
+            max_lora: None,
+            block_size: None,
+            num_gpu_blocks: None,
+            scraped_at,
+        }
+    }
+}
+
+/// One endpoint as the request path sees it.
+#[derive(Debug, Clone)]
+pub struct EndpointView {
+    /// The endpoint itself (shared, never copied per request).
+    pub endpoint: Arc<Endpoint>,
+    /// Latest metrics; `None` when never scraped or older than the registry's
+    /// staleness window.
+    pub metrics: Option<ScrapedMetrics>,
+}
+
+/// One registry entry: the endpoint plus its independently updated metrics.
+struct Slot {
+    endpoint: Arc<Endpoint>,
+    metrics: ArcSwapOption<ScrapedMetrics>,
+}
+
+/// Immutable endpoint table, swapped whole on membership changes.
+#[derive(Default)]
+struct Table {
+    slots: Vec<Arc<Slot>>,
+    by_name: HashMap<String, usize>,
+}
+
+impl Table {
+    fn build(slots: Vec<Arc<Slot>>) -> Self {
+        let by_name = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.endpoint.name.clone(), i))
+            .collect();
+        Self { slots, by_name }
+    }
+
+    fn get(&self, name: &str) -> Option<&Arc<Slot>> {
+        self.by_name.get(name).map(|&i| &self.slots[i])
+    }
+}
+
+/// A built snapshot and the conditions under which it is still exact.
+struct Cached {
+    /// Registry version the snapshot was built from.
+    version: u64,
+    /// The earliest instant at which a metric inside turns stale; `None` when
+    /// no metric inside can expire.
+    valid_until: Option<Instant>,
+    views: Arc<Vec<EndpointView>>,
+}
+
+/// The shared endpoint registry. Create with [`EndpointRegistry::new`] and
+/// share the returned `Arc`.
+pub struct EndpointRegistry {
+    staleness: Duration,
+    table: ArcSwap<Table>,
+    /// Serialises table writers so concurrent upserts do not lose each other.
+    write_lock: Mutex<()>,
+    /// Bumped (after the change is visible) by every write, metrics included.
+    version: AtomicU64,
+    cache: ArcSwap<Cached>,
+    synced: AtomicBool,
+    /// Endpoint-set generation: bumped on endpoint changes, not on metrics.
+    generation: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for EndpointRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointRegistry")
+            .field("staleness", &self.staleness)
+            .field("endpoints", &self.table.load().slots.len())
+            .field("synced", &self.synced())
+            .finish()
+    }
+}
+
+impl EndpointRegistry {
+    /// An empty, not yet synced registry whose metrics expire `staleness`
+    /// after their scrape.
+    pub fn new(staleness: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            staleness,
+            table: ArcSwap::from_pointee(Table::default()),
+            write_lock: Mutex::new(()),
+            version: AtomicU64::new(1),
+            // Version 0 never matches, so the first snapshot builds.
+            cache: ArcSwap::from_pointee(Cached {
+                version: 0,
+                valid_until: None,
+                views: Arc::new(Vec::new()),
+            }),
+            synced: AtomicBool::new(false),
+            generation: watch::channel(0).0,
+        })
+    }
+
+    /// The staleness window this registry applies.
+    pub fn staleness(&self) -> Duration {
+        self.staleness
+    }
+
+    /// All endpoints with their fresh metrics. Cheap: an atomic load unless
+    /// something changed or a metric expired since the last call.
+    pub fn snapshot(&self) -> Arc<Vec<EndpointView>> {
+        let now = Instant::now();
+        let cached = self.cache.load();
+        if cached.version == self.version.load(Ordering::Acquire)
+            && cached.valid_until.is_none_or(|t| now < t)
+        {
+            return Arc::clone(&cached.views);
+        }
+        drop(cached);
+        self.rebuild(now)
+    }
+
+    fn rebuild(&self, now: Instant) -> Arc<Vec<EndpointView>> {
+        // Read the version first: a write racing with the build then leaves
+        // the cache one version behind, and the next reader rebuilds again.
+        let version = self.version.load(Ordering::Acquire);
+        let table = self.table.load();
+        let mut valid_until: Option<Instant> = None;
+        let views: Vec<EndpointView> = table
+            .slots
+            .iter()
+            .map(|slot| {
+                let metrics = slot.metrics.load();
+                let metrics = metrics.as_deref().and_then(|m| {
+                    let expires = m.scraped_at + self.staleness;
+                    (now < expires).then(|| {
+                        valid_until = Some(valid_until.map_or(expires, |t| t.min(expires)));
+                        m.clone()
+                    })
+                });
+                EndpointView {
+                    endpoint: Arc::clone(&slot.endpoint),
+                    metrics,
+                }
+            })
+            .collect();
+        let views = Arc::new(views);
+        self.cache.store(Arc::new(Cached {
+            version,
+            valid_until,
+            views: Arc::clone(&views),
+        }));
+        views
+    }
+
+    /// The endpoints alone (no metrics), e.g. for the scraper.
+    pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
+        self.table
+            .load()
+            .slots
+            .iter()
+            .map(|s| Arc::clone(&s.endpoint))
+            .collect()
+    }
+
+    /// Looks one endpoint up by name.
+    pub fn get(&self, name: &str) -> Option<Arc<Endpoint>> {
+        self.table.load().get(name).map(|s| Arc::clone(&s.endpoint))
+    }
+
+    /// Number of endpoints.
+    pub fn len(&self) -> usize {
+        self.table.load().slots.len()
+    }
+
+    /// Whether there are no endpoints.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Replaces the whole endpoint set (after a full discovery listing).
+    /// Metrics survive for endpoints whose name and address are unchanged.
+    pub fn replace_all(&self, eps: Vec<Endpoint>) {
+        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.table.load();
+        // Later duplicates win, keeping names unique.
+        let last: HashMap<&str, usize> = eps
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.as_str(), i))
+            .collect();
+        let keep: Vec<bool> = eps
+            .iter()
+            .enumerate()
+            .map(|(i, e)| last.get(e.name.as_str()) == Some(&i))
+            .collect();
+        drop(last);
+        let mut changed = false;
+        let slots: Vec<Arc<Slot>> = eps
+            .into_iter()
+            .zip(keep)
+            .filter(|(_, keep)| *keep)
+            .map(|(ep, _)| match old.get(&ep.name) {
+                Some(prev) if *prev.endpoint == ep => Arc::clone(prev),
+                Some(prev) => {
+                    changed = true;
+                    Arc::new(carry_over(prev, ep))
+                }
+                None => {
+                    changed = true;
+                    Arc::new(new_slot(ep))
+                }
+            })
+            .collect();
+        // Same length and every slot reused means the same (unique) names.
+        changed |= slots.len() != old.slots.len();
+        if changed {
+            self.table.store(Arc::new(Table::build(slots)));
+            self.bump(true);
+        }
+    }
+
+    /// Adds an endpoint or updates the one with the same name. Updating with
+    /// an identical endpoint is a no-op; metrics survive unless the address
+    /// changed.
+    pub fn upsert(&self, ep: Endpoint) {
+        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.table.load();
+        let mut slots = old.slots.clone();
+        match old.by_name.get(&ep.name) {
+            Some(&i) if *slots[i].endpoint == ep => return,
+            Some(&i) => slots[i] = Arc::new(carry_over(&slots[i], ep)),
+            None => slots.push(Arc::new(new_slot(ep))),
+        }
+        self.table.store(Arc::new(Table::build(slots)));
+        self.bump(true);
+    }
+
+    /// Removes the endpoint with this name, if any.
+    pub fn remove(&self, name: &str) {
+        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.table.load();
+        if !old.by_name.contains_key(name) {
+            return;
+        }
+        let slots = old
+            .slots
+            .iter()
+            .filter(|s| s.endpoint.name != name)
+            .cloned()
+            .collect();
+        self.table.store(Arc::new(Table::build(slots)));
+        self.bump(true);
+    }
+
+    /// Records fresh metrics for an endpoint; ignored for unknown names.
+    pub fn set_metrics(&self, name: &str, m: ScrapedMetrics) {
+        if let Some(slot) = self.table.load().get(name) {
+            slot.metrics.store(Some(Arc::new(m)));
+            self.bump(false);
+        }
+    }
+
+    /// Like [`set_metrics`](Self::set_metrics), but only while the endpoint
+    /// still has `address`: a scrape that raced with an address change must
+    /// not attach the old server's load to the new one.
+    pub(crate) fn set_metrics_at(&self, name: &str, address: &Endpoint, m: ScrapedMetrics) {
+        if let Some(slot) = self.table.load().get(name)
+            && slot.endpoint.ip == address.ip
+            && slot.endpoint.port == address.port
+        {
+            slot.metrics.store(Some(Arc::new(m)));
+            self.bump(false);
+        }
+    }
+
+    /// Records that discovery has completed one full listing.
+    pub fn mark_synced(&self) {
+        self.synced.store(true, Ordering::Release);
+    }
+
+    /// Whether discovery has completed one full listing (gates `/readyz`).
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// A receiver of the endpoint-set generation, bumped whenever an endpoint
+    /// is added, changed or removed (not on metrics updates).
+    pub fn changed(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    fn bump(&self, endpoints_changed: bool) {
+        self.version.fetch_add(1, Ordering::AcqRel);
+        if endpoints_changed {
+            self.generation.send_modify(|g| *g += 1);
+        }
+    }
+}
+
+fn new_slot(ep: Endpoint) -> Slot {
+    Slot {
+        endpoint: Arc::new(ep),
+        metrics: ArcSwapOption::empty(),
+    }
+}
+
+/// A new slot for an updated endpoint, keeping the old metrics when the
+/// address is the same (e.g. only labels or models changed).
+fn carry_over(prev: &Slot, ep: Endpoint) -> Slot {
+    let keep = prev.endpoint.ip == ep.ip && prev.endpoint.port == ep.port;
+    Slot {
+        endpoint: Arc::new(ep),
+        metrics: ArcSwapOption::new(if keep { prev.metrics.load_full() } else { None }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(name: &str, port: u16) -> Endpoint {
+        Endpoint {
+            name: name.into(),
+            namespace: "ns".into(),
+            ip: "10.0.0.1".parse().unwrap(),
+            port,
+            models: vec!["m".into()],
+            backend: None,
+            zone: None,
+            node: None,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    fn metrics(waiting: f64) -> ScrapedMetrics {
+        ScrapedMetrics {
+            waiting,
+            ..ScrapedMetrics::empty(Instant::now())
+        }
+    }
+
+    #[test]
+    fn address_brackets_ipv6() {
+        let mut e = ep("a", 8000);
+        assert_eq!(e.address(), "10.0.0.1:8000");
+        e.ip = "fd00::1".parse().unwrap();
+        assert_eq!(e.address(), "[fd00::1]:8000");
+    }
+
+    #[test]
+    fn default_staleness_has_floor() {
+        assert_eq!(default_staleness(Duration::from_millis(50)), MIN_STALENESS);
+        assert_eq!(
+            default_staleness(Duration::from_secs(1)),
+            Duration::from_secs(3)
+        );
+    }
+
+    #[test]
+    fn upsert_remove_and_snapshot() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        assert!(r.snapshot().is_empty());
+        r.upsert(ep("a", 1));
+        r.upsert(ep("b", 2));
+        let s = r.snapshot();
+        assert_eq!(s.len(), 2);
+        assert!(s.iter().all(|v| v.metrics.is_none()));
+        // Unchanged reads share the cached vector.
+        assert!(Arc::ptr_eq(&s, &r.snapshot()));
+        r.set_metrics("a", metrics(3.0));
+        r.set_metrics("zzz", metrics(9.0)); // unknown: ignored
+        let s = r.snapshot();
+        let a = s.iter().find(|v| v.endpoint.name == "a").unwrap();
+        assert_eq!(a.metrics.as_ref().unwrap().waiting, 3.0);
+        r.remove("a");
+        r.remove("a");
+        let s = r.snapshot();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].endpoint.name, "b");
+        assert_eq!(r.get("b").unwrap().port, 2);
+        assert!(r.get("a").is_none());
+    }
+
+    #[test]
+    fn metrics_survive_label_change_but_not_address_change() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        r.upsert(ep("a", 1));
+        r.set_metrics("a", metrics(1.0));
+        let mut e = ep("a", 1);
+        e.models.push("lora".into());
+        r.upsert(e);
+        assert!(r.snapshot()[0].metrics.is_some());
+        assert_eq!(r.snapshot()[0].endpoint.models.len(), 2);
+        r.upsert(ep("a", 2));
+        assert!(r.snapshot()[0].metrics.is_none());
+        // A scrape of the old address arriving late is dropped.
+        r.set_metrics_at("a", &ep("a", 1), metrics(5.0));
+        assert!(r.snapshot()[0].metrics.is_none());
+        r.set_metrics_at("a", &ep("a", 2), metrics(5.0));
+        assert!(r.snapshot()[0].metrics.is_some());
+    }
+
+    #[test]
+    fn replace_all_keeps_unchanged_metrics() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        r.replace_all(vec![ep("a", 1), ep("b", 2)]);
+        r.set_metrics("a", metrics(1.0));
+        r.set_metrics("b", metrics(2.0));
+        let gen_before = *r.changed().borrow();
+        r.replace_all(vec![ep("a", 1), ep("b", 2)]);
+        assert_eq!(
+            *r.changed().borrow(),
+            gen_before,
+            "identical set is a no-op"
+        );
+        r.replace_all(vec![ep("a", 1), ep("b", 3), ep("c", 4)]);
+        assert!(*r.changed().borrow() > gen_before);
+        let s = r.snapshot();
+        let names: Vec<_> = s.iter().map(|v| v.endpoint.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert!(s[0].metrics.is_some());
+        assert!(s[1].metrics.is_none());
+        assert!(s[2].metrics.is_none());
+        // Duplicate names: the later one wins.
+        r.replace_all(vec![ep("a", 1), ep("b", 2), ep("a", 9)]);
+        let s = r.snapshot();
+        assert_eq!(s.len(), 2);
+        assert_eq!(r.get("a").unwrap().port, 9);
+        assert_eq!(r.get("b").unwrap().port, 2);
+    }
+
+    #[test]
+    fn metrics_go_stale_at_snapshot_time() {
+        let r = EndpointRegistry::new(Duration::from_millis(200));
+        r.upsert(ep("a", 1));
+        r.upsert(ep("b", 2));
+        r.set_metrics("a", metrics(1.0));
+        std::thread::sleep(Duration::from_millis(120));
+        r.set_metrics("b", metrics(2.0));
+        let s = r.snapshot();
+        assert!(s[1].metrics.is_some());
+        // Nothing is written any more; `a` expires first, then `b`.
+        std::thread::sleep(Duration::from_millis(100));
+        let s = r.snapshot();
+        assert!(s[0].metrics.is_none(), "a is stale");
+        assert!(s[1].metrics.is_some(), "b is still fresh");
+        std::thread::sleep(Duration::from_millis(120));
+        assert!(r.snapshot().iter().all(|v| v.metrics.is_none()));
+        // Fresh metrics revive it.
+        r.set_metrics("a", metrics(4.0));
+        assert_eq!(r.snapshot()[0].metrics.as_ref().unwrap().waiting, 4.0);
+    }
+
+    #[test]
+    fn already_stale_metrics_are_hidden() {
+        let r = EndpointRegistry::new(Duration::from_millis(10));
+        r.upsert(ep("a", 1));
+        let old = Instant::now()
+            .checked_sub(Duration::from_secs(1))
+            .unwrap_or_else(Instant::now);
+        r.set_metrics("a", ScrapedMetrics::empty(old));
+        std::thread::sleep(Duration::from_millis(15));
+        assert!(r.snapshot()[0].metrics.is_none());
+    }
+
+    #[test]
+    fn synced_and_generation() {
+        let r = EndpointRegistry::new(Duration::from_secs(1));
+        assert!(!r.synced());
+        r.mark_synced();
+        assert!(r.synced());
+        let mut rx = r.changed();
+        let g0 = *rx.borrow_and_update();
+        r.set_metrics("a", metrics(1.0));
+        assert!(!rx.has_changed().unwrap());
+        r.upsert(ep("a", 1));
+        assert!(rx.has_changed().unwrap());
+        assert!(*rx.borrow_and_update() > g0);
+        r.set_metrics("a", metrics(1.0));
+        assert!(
+            !rx.has_changed().unwrap(),
+            "metrics do not bump the generation"
+        );
+    }
+
+    #[test]
+    fn concurrent_writers_and_readers() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        std::thread::scope(|s| {
+            for t in 0..4u16 {
+                let r = &r;
+                s.spawn(move || {
+                    for i in 0..50u16 {
+                        r.upsert(ep(&format!("e{t}-{i}"), i));
+                        r.set_metrics(&format!("e{t}-{i}"), metrics(i.into()));
+                        let _ = r.snapshot();
+                    }
+                });
+            }
+        });
+        let s = r.snapshot();
+        assert_eq!(s.len(), 200);
+        assert!(s.iter().all(|v| v.metrics.is_some()));
+    }
+}

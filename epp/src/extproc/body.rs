@@ -1,0 +1,284 @@
+//! The OpenAI-style request body: parsed once, borrowing from the buffer so a
+//! 220 KB prompt is not copied field by field.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// Which OpenAI API a path belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+    Embeddings,
+    Responses,
+}
+
+impl Api {
+    pub fn from_path(path: &str) -> Option<Self> {
+        let path = path.split('?').next().unwrap_or(path);
+        Some(match path.trim_end_matches('/') {
+            "/v1/chat/completions" => Api::Chat,
+            "/v1/completions" => Api::Completions,
+            "/v1/embeddings" => Api::Embeddings,
+            "/v1/responses" => Api::Responses,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Embeddings => "embeddings",
+            Api::Responses => "responses",
+        }
+    }
+}
+
+/// What routing needs from a body.
+#[derive(Debug)]
+pub struct ParsedBody {
+    pub model: Option<String>,
+    /// The prompt text, messages joined in order (for classifiers and prefix hashing).
+    pub prompt: String,
+    pub max_tokens: Option<u64>,
+    pub stream: bool,
+}
+
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Parts(#[serde(borrow)] Vec<Part<'a>>),
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BodyError {
+    #[error("the request body is not valid JSON: {0}")]
+    NotJson(String),
+    #[error("the request body must be a JSON object")]
+    NotObject,
+}
+
+pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
+    let trimmed = bytes.trim_ascii_start();
+    if !trimmed.starts_with(b"{") {
+        return match serde_json::from_slice::<&RawValue>(bytes) {
+            Ok(_) => Err(BodyError::NotObject),
+            Err(e) => Err(BodyError::NotJson(e.to_string())),
+        };
+    }
+    let wire: Wire<'_> =
+        serde_json::from_slice(bytes).map_err(|e| BodyError::NotJson(e.to_string()))?;
+    let mut prompt = String::new();
+    if let Some(instructions) = &wire.instructions {
+        push_line(&mut prompt, instructions);
+    }
+    for message in wire.messages.iter().flatten() {
+        if let Some(role) = &message.role {
+            prompt.push_str(role);
+            prompt.push_str(": ");
+        }
+        match &message.content {
+            Some(Content::Text(t)) => push_line(&mut prompt, t),
+            Some(Content::Parts(parts)) => {
+                for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                    push_line(&mut prompt, t);
+                }
+            }
+            None => prompt.push('\n'),
+        }
+    }
+    // `prompt` / `input`: a string, a list of strings, or token ids and
+    // message objects, whose JSON text still identifies the prefix and sizes
+    // the prompt.
+    for field in [wire.prompt, wire.input].into_iter().flatten() {
+        let items: Vec<&RawValue> = if field.get().starts_with('[') {
+            serde_json::from_str(field.get()).map_err(|e| BodyError::NotJson(e.to_string()))?
+        } else {
+            vec![field]
+        };
+        for raw in items {
+            match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
+                Ok(t) => push_line(&mut prompt, &t),
+                Err(_) => push_line(&mut prompt, raw.get()),
+            }
+        }
+    }
+    Ok(ParsedBody {
+        model: wire.model.map(Cow::into_owned).filter(|m| !m.is_empty()),
+        prompt,
+        max_tokens: wire
+            .max_tokens
+            .or(wire.max_completion_tokens)
+            .or(wire.max_output_tokens),
+        stream: wire.stream.unwrap_or(false),
+    })
+}
+
+fn push_line(out: &mut String, text: &str) {
+    out.push_str(text);
+    out.push('\n');
+}
+
+/// Estimated tokens: about four bytes of English text per token.
+pub fn estimate_tokens(prompt: &str) -> u64 {
+    (prompt.len() as u64).div_ceil(4)
+}
+
+/// The body with `model` replaced; other fields are copied as raw JSON, not
+/// re-parsed, so large prompts stay cheap.
+pub fn rewrite_model(bytes: &[u8], model: &str) -> Result<Vec<u8>, BodyError> {
+    let ordered::Members(raw) =
+        serde_json::from_slice(bytes).map_err(|e| BodyError::NotJson(e.to_string()))?;
+    let mut out = Vec::with_capacity(bytes.len() + model.len());
+    out.push(b'{');
+    let mut wrote_model = false;
+    for (i, (key, value)) in raw.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, key).expect("writing to a Vec cannot fail");
+        out.push(b':');
+        if key == "model" {
+            serde_json::to_writer(&mut out, model).expect("writing to a Vec cannot fail");
+            wrote_model = true;
+        } else {
+            out.extend_from_slice(value.get().as_bytes());
+        }
+    }
+    if !wrote_model {
+        if !raw.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"\"model\":");
+        serde_json::to_writer(&mut out, model).expect("writing to a Vec cannot fail");
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
+/// Keeps object members in document order (serde_json's Map sorts them).
+mod ordered {
+    use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+    use serde_json::value::RawValue;
+
+    pub struct Members(pub Vec<(String, Box<RawValue>)>);
+
+    impl<'de> Deserialize<'de> for Members {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Members;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some((k, v)) = map.next_entry::<String, Box<RawValue>>()? {
+                        out.push((k, v));
+                    }
+                    Ok(Members(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_chat_completions_responses_and_embeddings() {
+        let chat = parse(br#"{"model":"qwen","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":7,"stream":true}"#).unwrap();
+        assert_eq!(chat.model.as_deref(), Some("qwen"));
+        assert_eq!(chat.prompt, "system: be brief\nuser: hi\n");
+        assert_eq!((chat.max_tokens, chat.stream), (Some(7), true));
+        let completion = parse(br#"{"model":"m","prompt":["a","b"],"max_tokens":3}"#).unwrap();
+        assert_eq!(completion.prompt, "a\nb\n");
+        let tokens = parse(br#"{"model":"m","prompt":[[1,2,3]]}"#).unwrap();
+        assert_eq!(tokens.prompt, "[1,2,3]\n");
+        let responses =
+            parse(br#"{"model":"m","instructions":"sys","input":"q","max_output_tokens":9}"#)
+                .unwrap();
+        assert_eq!(
+            (responses.prompt.as_str(), responses.max_tokens),
+            ("sys\nq\n", Some(9))
+        );
+        let embeddings = parse(br#"{"model":"e","input":["x"]}"#).unwrap();
+        assert_eq!(embeddings.prompt, "x\n");
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_json_object() {
+        assert!(matches!(parse(b"model=qwen"), Err(BodyError::NotJson(_))));
+        assert_eq!(parse(b"[1,2]").unwrap_err(), BodyError::NotObject);
+        assert!(matches!(
+            parse(br#"{"model": "#),
+            Err(BodyError::NotJson(_))
+        ));
+        assert!(parse(br#"{"messages":[]}"#).unwrap().model.is_none());
+    }
+
+    #[test]
+    fn rewrites_only_the_model_and_keeps_order() {
+        let body = br#"{"model":"qwen","messages":[{"role":"user","content":"x \"quoted\""}],"stream":false}"#;
+        let out = rewrite_model(body, "gpt-4o-mini").unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"x \"quoted\""}],"stream":false}"#
+        );
+        let added = rewrite_model(br#"{"prompt":"p"}"#, "m").unwrap();
+        assert_eq!(
+            std::str::from_utf8(&added).unwrap(),
+            r#"{"prompt":"p","model":"m"}"#
+        );
+    }
+
+    #[test]
+    fn maps_paths_to_apis() {
+        assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::Chat));
+        assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
+        assert_eq!(Api::from_path("/v1/models"), None);
+    }
+}

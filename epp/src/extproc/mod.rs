@@ -1,0 +1,91 @@
+//! Envoy External Processing (`envoy.service.ext_proc.v3`): one bidirectional
+//! stream per HTTP request, spoken as the Gateway API Inference Extension's
+//! Endpoint Picker Protocol expects.
+
+pub mod body;
+pub mod reply;
+mod session;
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::picker::Picker;
+
+/// GIE protocol names.
+pub const DESTINATION_ENDPOINT: &str = "x-gateway-destination-endpoint";
+pub const DESTINATION_SUBSET: &str = "x-gateway-destination-endpoint-subset";
+pub const SERVED_ENDPOINT: &str = "x-gateway-destination-endpoint-served";
+pub const LB_NAMESPACE: &str = "envoy.lb";
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// Headers the EPP adds for observability.
+pub const RULE_HEADER: &str = "x-kinference-rule";
+pub const MODEL_HEADER: &str = "x-kinference-model";
+/// A TTFT measured by the gateway, reported on the response (the demo gateway sets it).
+pub const OBSERVED_TTFT_HEADER: &str = "x-kinference-observed-ttft-ms";
+/// Conformance-suite hooks (off unless enabled).
+pub const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
+pub const TEST_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
+
+#[derive(Debug, Clone)]
+pub struct ExtProcConfig {
+    /// Larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// Honour the upstream conformance suite's test header and echo the
+    /// served endpoint. Off by default: it lets a client pick endpoints.
+    pub conformance_hooks: bool,
+}
+
+impl Default for ExtProcConfig {
+    fn default() -> Self {
+        ExtProcConfig {
+            max_body_bytes: 16 * 1024 * 1024,
+            conformance_hooks: false,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct ExtProcService {
+    picker: Arc<Picker>,
+    config: Arc<ExtProcConfig>,
+}
+
+impl ExtProcService {
+    pub fn new(picker: Arc<Picker>, config: ExtProcConfig) -> Self {
+        ExtProcService {
+            picker,
+            config: Arc::new(config),
+        }
+    }
+
+    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self)
+            .max_decoding_message_size(64 * 1024 * 1024)
+            .max_encoding_message_size(64 * 1024 * 1024)
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let (tx, rx) = mpsc::channel(32);
+        let inbound = request.into_inner();
+        // Each stream is its own task: a slow or broken one never holds up others.
+        tokio::spawn(
+            session::Session::new(self.picker.clone(), self.config.clone(), tx).run(inbound),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

@@ -1,0 +1,203 @@
+//! Building ext_proc answers: header and body mutations, `envoy.lb` dynamic
+//! metadata, immediate responses.
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, StreamedBodyResponse, body_mutation, processing_response::Response,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+/// Envoy caps a streamed body chunk at 64 KiB; stay clear of it.
+pub const MAX_STREAMED_CHUNK: usize = 62_000;
+
+/// Headers and metadata to set on the request when it is routed.
+#[derive(Debug, Default, Clone)]
+pub struct Mutation {
+    pub set_headers: Vec<(String, String)>,
+    pub remove_headers: Vec<String>,
+    /// `envoy.lb` metadata entries.
+    pub lb_metadata: Vec<(String, String)>,
+    /// A replacement body (model rewrite); `content-length` is set to match.
+    pub body: Option<Vec<u8>>,
+}
+
+impl Mutation {
+    fn header_mutation(&self) -> Option<HeaderMutation> {
+        let mut set: Vec<HeaderValueOption> = self
+            .set_headers
+            .iter()
+            .map(|(k, v)| header_option(k, v))
+            .collect();
+        if let Some(body) = &self.body {
+            set.push(header_option("content-length", &body.len().to_string()));
+        }
+        (!set.is_empty() || !self.remove_headers.is_empty()).then(|| HeaderMutation {
+            set_headers: set,
+            remove_headers: self.remove_headers.clone(),
+        })
+    }
+
+    fn dynamic_metadata(&self) -> Option<Struct> {
+        if self.lb_metadata.is_empty() {
+            return None;
+        }
+        let inner = Struct {
+            fields: self
+                .lb_metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), string_value(v)))
+                .collect(),
+        };
+        Some(Struct {
+            fields: [(
+                "envoy.lb".to_string(),
+                Value {
+                    kind: Some(Kind::StructValue(inner)),
+                },
+            )]
+            .into(),
+        })
+    }
+}
+
+pub fn header_option(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        ..HeaderValueOption::default()
+    }
+}
+
+fn string_value(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+fn common(mutation: Option<&Mutation>, with_body: bool) -> CommonResponse {
+    CommonResponse {
+        header_mutation: mutation.and_then(Mutation::header_mutation),
+        body_mutation: mutation
+            .filter(|_| with_body)
+            .and_then(|m| m.body.clone())
+            .map(|b| BodyMutation {
+                mutation: Some(body_mutation::Mutation::Body(b)),
+            }),
+        clear_route_cache: mutation.is_some(),
+        ..CommonResponse::default()
+    }
+}
+
+/// Let the request headers through unchanged.
+pub fn continue_request_headers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub fn continue_response_headers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub fn continue_response_body() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub fn continue_request_trailers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestTrailers(Default::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub fn continue_response_trailers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseTrailers(Default::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// Buffered mode: one body response carries headers, metadata and the body.
+pub fn routed_buffered(m: &Mutation) -> ProcessingResponse {
+    ProcessingResponse {
+        dynamic_metadata: m.dynamic_metadata(),
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(common(Some(m), true)),
+        })),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// Streamed mode: the held headers response carries headers and metadata; the
+/// body follows in chunks of at most [`MAX_STREAMED_CHUNK`].
+pub fn routed_streamed(m: &Mutation, original_body: &[u8]) -> Vec<ProcessingResponse> {
+    let mut out = vec![ProcessingResponse {
+        dynamic_metadata: m.dynamic_metadata(),
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(common(Some(m), false)),
+        })),
+        ..ProcessingResponse::default()
+    }];
+    let body = m.body.as_deref().unwrap_or(original_body);
+    let chunks: Vec<&[u8]> = if body.is_empty() {
+        vec![&[][..]]
+    } else {
+        body.chunks(MAX_STREAMED_CHUNK).collect()
+    };
+    let last = chunks.len() - 1;
+    for (i, chunk) in chunks.into_iter().enumerate() {
+        out.push(ProcessingResponse {
+            response: Some(Response::RequestBody(BodyResponse {
+                response: Some(CommonResponse {
+                    body_mutation: Some(BodyMutation {
+                        mutation: Some(body_mutation::Mutation::StreamedResponse(
+                            StreamedBodyResponse {
+                                body: chunk.to_vec(),
+                                end_of_stream: i == last,
+                                ..StreamedBodyResponse::default()
+                            },
+                        )),
+                    }),
+                    ..CommonResponse::default()
+                }),
+            })),
+            ..ProcessingResponse::default()
+        });
+    }
+    out
+}
+
+/// An immediate response with an OpenAI-shaped error body; the request never
+/// reaches a model server.
+pub fn immediate_error(status: u16, kind: &str, message: &str) -> ProcessingResponse {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": kind, "param": null, "code": status }
+    });
+    ProcessingResponse {
+        response: Some(Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![header_option("content-type", "application/json")],
+                remove_headers: vec![],
+            }),
+            body: serde_json::to_vec(&body).expect("JSON serializes"),
+            details: format!("kinference_{kind}"),
+            ..ImmediateResponse::default()
+        })),
+        ..ProcessingResponse::default()
+    }
+}

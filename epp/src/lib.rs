@@ -1,0 +1,16 @@
+//! The Kinference endpoint picker: an Envoy ext_proc server that routes each
+//! LLM request by the policy (see `kinference_policy`) over discovered model
+//! servers and configured providers.
+#![forbid(unsafe_code)]
+
+pub mod classify;
+pub mod client;
+pub mod endpoints;
+pub mod gateway;
+pub mod extproc;
+pub mod k8s;
+pub mod metrics;
+pub mod picker;
+pub mod policy_store;
+pub mod predict;
+pub mod server;

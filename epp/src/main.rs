@@ -1,0 +1,190 @@
+//! `kinference-epp`: the endpoint picker process.
+#![forbid(unsafe_code)]
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use kinference_epp::endpoints::load_endpoints_file;
+use kinference_epp::extproc::ExtProcConfig;
+use kinference_epp::k8s;
+use kinference_epp::server::{Epp, Settings, bind};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kinference-epp",
+    version,
+    about = "Kinference endpoint picker (Envoy ext_proc)"
+)]
+struct Args {
+    /// ext_proc gRPC port.
+    #[arg(long, default_value_t = 9002)]
+    grpc_port: u16,
+    /// gRPC health port.
+    #[arg(long, default_value_t = 9003)]
+    grpc_health_port: u16,
+    /// HTTP port for /metrics, /healthz, /readyz, /debug/explain.
+    #[arg(long, default_value_t = 9090)]
+    metrics_port: u16,
+    /// ConfigMap holding the compiled policy (watched through the API).
+    #[arg(long, conflicts_with = "policy_file")]
+    policy_configmap: Option<String>,
+    /// A policy file instead (YAML/JSON, bare or InferencePolicy); reloaded on change.
+    #[arg(long)]
+    policy_file: Option<PathBuf>,
+    /// Namespace of the pool, its ConfigMap and Secrets.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// This Pod's name, to report the loaded policy hash on it.
+    #[arg(long, env = "POD_NAME")]
+    pod_name: Option<String>,
+    /// Standalone mode: endpoints from this file instead of Pod discovery.
+    #[arg(long)]
+    endpoints_file: Option<PathBuf>,
+    /// Larger request bodies are refused with 413.
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// Honour the Gateway API Inference Extension conformance suite's test
+    /// header and echo the served endpoint. Never enable in production.
+    #[arg(long, default_value_t = false)]
+    enable_conformance_hooks: bool,
+    #[arg(long, default_value_t = 50)]
+    scrape_interval_ms: u64,
+    /// Log as JSON (default) or human-readable text.
+    #[arg(long, default_value_t = false)]
+    text_logs: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_logs(args.text_logs);
+    let epp = Epp::new(Settings {
+        ext_proc: ExtProcConfig {
+            max_body_bytes: args.max_body_bytes,
+            conformance_hooks: args.enable_conformance_hooks,
+        },
+        scrape_interval: Duration::from_millis(args.scrape_interval_ms),
+        ..Settings::default()
+    });
+    let mut background = Vec::new();
+    if let Some(path) = &args.policy_file {
+        background.push(epp.watch_policy_file(path.clone(), Duration::from_secs(1)));
+    }
+    if let Some(path) = &args.endpoints_file {
+        let endpoints =
+            load_endpoints_file(path).with_context(|| format!("loading {}", path.display()))?;
+        epp.registry().replace_all(endpoints);
+        epp.registry().mark_synced();
+    }
+    if args.policy_configmap.is_some() || args.endpoints_file.is_none() {
+        let client = kube::Client::try_default()
+            .await
+            .context("connecting to the Kubernetes API")?;
+        if let Some(name) = args.policy_configmap.clone() {
+            background.push(tokio::spawn(k8s::watch_policy_configmap(
+                epp.clone(),
+                client.clone(),
+                args.namespace.clone(),
+                name,
+            )));
+        }
+        if args.endpoints_file.is_none() {
+            background.push(tokio::spawn(k8s::run_discovery(
+                epp.clone(),
+                client.clone(),
+                args.namespace.clone(),
+            )));
+        }
+        background.push(tokio::spawn(k8s::refresh_provider_keys(
+            epp.clone(),
+            client.clone(),
+            args.namespace.clone(),
+            Duration::from_secs(30),
+        )));
+        if let Some(pod) = args.pod_name.clone() {
+            background.push(tokio::spawn(k8s::report_loaded_hash(
+                epp.clone(),
+                client,
+                args.namespace.clone(),
+                pod,
+            )));
+        }
+    }
+    background.push(epp.spawn_scraper());
+
+    let any = |port| SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
+    let (grpc, health, http) = (
+        bind(any(args.grpc_port)).await?,
+        bind(any(args.grpc_health_port)).await?,
+        bind(any(args.metrics_port)).await?,
+    );
+    tracing::info!(
+        grpc = args.grpc_port,
+        health = args.grpc_health_port,
+        metrics = args.metrics_port,
+        "serving"
+    );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let servers = tokio::spawn({
+        let epp = epp.clone();
+        let stopped = stopped.clone();
+        async move {
+            tokio::try_join!(
+                epp.serve_ext_proc(grpc, stopped()),
+                epp.serve_health(health, stopped()),
+                epp.serve_http(http, stopped()),
+            )
+        }
+    });
+    shutdown_signal().await;
+    tracing::info!("shutting down: finishing in-flight streams");
+    let _ = stop_tx.send(true);
+    let result = tokio::time::timeout(Duration::from_secs(25), servers).await;
+    for task in background {
+        task.abort();
+    }
+    match result {
+        Ok(Ok(Ok(_))) => Ok(()),
+        Ok(Ok(Err(e))) => Err(e),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => {
+            tracing::warn!("in-flight streams did not finish in time");
+            Ok(())
+        }
+    }
+}
+
+fn init_logs(text: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if text {
+        builder.init();
+    } else {
+        builder.json().init();
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

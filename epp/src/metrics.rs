@@ -1,0 +1,211 @@
+//! Prometheus metrics of the EPP (served on `/metrics`).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::endpoints::EndpointRegistry;
+use crate::picker::Pick;
+
+type Labels = Vec<(String, String)>;
+
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    decisions: Family<Labels, Counter>,
+    decision_seconds: Histogram,
+    rejects: Family<Labels, Counter>,
+    classifier_seconds: Family<Labels, Histogram>,
+    classifier_timeouts: Family<Labels, Counter>,
+    classifier_failures: Family<Labels, Counter>,
+    bad_requests: Family<Labels, Counter>,
+    endpoint_waiting: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    endpoint_running: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    endpoint_kv: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    endpoint_stale: Family<Labels, Gauge>,
+    policy_info: Family<Labels, Gauge>,
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let decisions = Family::<Labels, Counter>::default();
+        let decision_seconds = Histogram::new(exponential_buckets(0.000_005, 2.0, 20));
+        let rejects = Family::<Labels, Counter>::default();
+        let classifier_seconds = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
+        });
+        let classifier_timeouts = Family::<Labels, Counter>::default();
+        let classifier_failures = Family::<Labels, Counter>::default();
+        let bad_requests = Family::<Labels, Counter>::default();
+        let endpoint_waiting = Family::default();
+        let endpoint_running = Family::default();
+        let endpoint_kv = Family::default();
+        let endpoint_stale = Family::<Labels, Gauge>::default();
+        let policy_info = Family::<Labels, Gauge>::default();
+        let mut r = Registry::with_prefix("kinference_epp");
+        r.register(
+            "decisions",
+            "Routing decisions by rule and outcome",
+            decisions.clone(),
+        );
+        r.register(
+            "decision_duration_seconds",
+            "Time to decide, classifiers included",
+            decision_seconds.clone(),
+        );
+        r.register(
+            "rejects",
+            "Rejected requests by status and reason",
+            rejects.clone(),
+        );
+        r.register(
+            "classifier_duration_seconds",
+            "Classifier run time",
+            classifier_seconds.clone(),
+        );
+        r.register(
+            "classifier_timeouts",
+            "Classifier runs that timed out (no tags)",
+            classifier_timeouts.clone(),
+        );
+        r.register(
+            "classifier_failures",
+            "Classifier runs that failed (no tags)",
+            classifier_failures.clone(),
+        );
+        r.register(
+            "bad_requests",
+            "Requests refused before routing, by reason",
+            bad_requests.clone(),
+        );
+        r.register(
+            "endpoint_waiting_requests",
+            "Scraped queue depth per endpoint",
+            endpoint_waiting.clone(),
+        );
+        r.register(
+            "endpoint_running_requests",
+            "Scraped running requests per endpoint",
+            endpoint_running.clone(),
+        );
+        r.register(
+            "endpoint_kv_cache_utilization",
+            "Scraped KV-cache utilization per endpoint",
+            endpoint_kv.clone(),
+        );
+        r.register(
+            "endpoint_metrics_stale",
+            "1 when an endpoint's metrics are stale or missing",
+            endpoint_stale.clone(),
+        );
+        r.register(
+            "policy_info",
+            "The loaded policy (hash label)",
+            policy_info.clone(),
+        );
+        Metrics {
+            registry: Mutex::new(r),
+            decisions,
+            decision_seconds,
+            rejects,
+            classifier_seconds,
+            classifier_timeouts,
+            classifier_failures,
+            bad_requests,
+            endpoint_waiting,
+            endpoint_running,
+            endpoint_kv,
+            endpoint_stale,
+            policy_info,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn observe_decision(&self, pick: &Pick, took: Duration) {
+        self.decision_seconds.observe(took.as_secs_f64());
+        let (rule, outcome) = match pick {
+            Pick::Local(l) => (l.rule.as_str(), "local"),
+            Pick::Provider(p) => (p.rule.as_str(), "provider"),
+            Pick::Reject { rule, status, .. } => {
+                let reason = if rule.is_some() { "rule" } else { "no_rule" };
+                self.rejects
+                    .get_or_create(&labels(&[
+                        ("status", &status.to_string()),
+                        ("reason", reason),
+                    ]))
+                    .inc();
+                (rule.as_deref().unwrap_or(""), "reject")
+            }
+        };
+        self.decisions
+            .get_or_create(&labels(&[("rule", rule), ("outcome", outcome)]))
+            .inc();
+    }
+
+    pub fn observe_classifier(&self, name: &str, took: Duration, timed_out: bool, failed: bool) {
+        let l = labels(&[("classifier", name)]);
+        self.classifier_seconds
+            .get_or_create(&l)
+            .observe(took.as_secs_f64());
+        if timed_out {
+            self.classifier_timeouts.get_or_create(&l).inc();
+        }
+        if failed {
+            self.classifier_failures.get_or_create(&l).inc();
+        }
+    }
+
+    pub fn bad_request(&self, reason: &str) {
+        self.bad_requests
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc();
+    }
+
+    /// Renders the exposition, refreshing per-endpoint gauges first.
+    pub fn render(&self, endpoints: &EndpointRegistry, policy_hash: Option<&str>) -> String {
+        self.endpoint_waiting.clear();
+        self.endpoint_running.clear();
+        self.endpoint_kv.clear();
+        self.endpoint_stale.clear();
+        for view in endpoints.snapshot().iter() {
+            let l = labels(&[
+                ("endpoint", &view.endpoint.name),
+                ("address", &view.endpoint.address()),
+            ]);
+            match &view.metrics {
+                Some(m) => {
+                    self.endpoint_waiting.get_or_create(&l).set(m.waiting);
+                    self.endpoint_running.get_or_create(&l).set(m.running);
+                    self.endpoint_kv.get_or_create(&l).set(m.kv_cache_usage);
+                    self.endpoint_stale.get_or_create(&l).set(0);
+                }
+                None => {
+                    self.endpoint_stale.get_or_create(&l).set(1);
+                }
+            }
+        }
+        self.policy_info.clear();
+        if let Some(hash) = policy_hash {
+            self.policy_info
+                .get_or_create(&labels(&[("hash", hash)]))
+                .set(1);
+        }
+        let mut out = String::new();
+        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        encode(&mut out, &registry).expect("encoding to a String cannot fail");
+        out
+    }
+}

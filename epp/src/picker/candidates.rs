@@ -1,0 +1,210 @@
+//! Candidates for one request: each local endpoint × model it serves, each
+//! provider × model, with every attribute we can know now.
+
+use std::time::Instant;
+
+use kinference_policy::attr::CandidateType;
+use kinference_policy::eval::{Candidate, Decision, Metrics as CandidateMetrics, Request};
+use kinference_policy::model::Price;
+
+use super::{LocalPick, Pick, Picker, ProviderPick};
+use crate::policy_store::LoadedPolicy;
+use crate::predict::{EndpointKey, TtftFeatures};
+
+/// Candidates with what the pick needs to act on each.
+pub struct CandidateSet {
+    pub candidates: Vec<Candidate>,
+    keys: Vec<EndpointKey>,
+    features: Vec<Option<TtftFeatures>>,
+}
+
+impl CandidateSet {
+    pub fn build(
+        picker: &Picker,
+        policy: &LoadedPolicy,
+        request: &Request,
+        hashes: &[u64],
+        subset: Option<&[String]>,
+    ) -> Self {
+        let now = Instant::now();
+        let snapshot = picker.registry.snapshot();
+        let compiled = &policy.compiled;
+        let mut set = CandidateSet {
+            candidates: Vec::with_capacity(snapshot.len() + compiled.providers.len()),
+            keys: Vec::new(),
+            features: Vec::new(),
+        };
+        let views: Vec<_> = snapshot
+            .iter()
+            .filter(|v| subset.is_none_or(|s| in_subset(s, &v.endpoint.address())))
+            .collect();
+        let endpoint_keys: Vec<EndpointKey> = views
+            .iter()
+            .map(|v| EndpointKey::from_addr(&v.endpoint.address()))
+            .collect();
+        let mut cached_blocks = Vec::new();
+        picker
+            .prefix
+            .cached_blocks_many(&endpoint_keys, hashes, &mut cached_blocks);
+        let tokens_per_block = picker.config.block_chars as f64 / 4.0;
+        let prompt = request.prompt_tokens as f64;
+        let output = request
+            .max_tokens
+            .unwrap_or(picker.config.default_output_tokens) as f64;
+        for ((view, key), blocks) in views.iter().zip(&endpoint_keys).zip(&cached_blocks) {
+            let ep = &view.endpoint;
+            let cached = (*blocks as f64 * tokens_per_block).min(prompt);
+            let live = picker.stats.snapshot(*key, now);
+            let features = view
+                .metrics
+                .as_ref()
+                .map(|m| TtftFeatures::new(m.waiting, m.running, prompt, cached, m.kv_cache_usage));
+            let predicted = features.as_ref().map(|f| picker.ttft.predict(*key, f));
+            for model in &ep.models {
+                let info = compiled.local_model(model);
+                set.candidates.push(Candidate {
+                    kind: CandidateType::Local,
+                    model: model.clone(),
+                    endpoint: ep.name.clone(),
+                    address: Some(ep.address()),
+                    backend_name: ep.backend.clone(),
+                    provider_name: None,
+                    zone: ep.zone.clone(),
+                    node: ep.node.clone(),
+                    labels: if policy.uses_labels {
+                        ep.labels.clone()
+                    } else {
+                        Default::default()
+                    },
+                    metrics: CandidateMetrics {
+                        queue_depth: view.metrics.as_ref().map(|m| m.waiting),
+                        running_requests: view.metrics.as_ref().map(|m| m.running),
+                        kv_cache_utilization: view.metrics.as_ref().map(|m| m.kv_cache_usage),
+                        cached_prefix_tokens: Some(cached),
+                        predicted_ttft: predicted,
+                        observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
+                        error_rate: Some(live.error_rate),
+                        cost: info
+                            .and_then(|i| i.price)
+                            .map(|p| p.cost(prompt, cached, output)),
+                        context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
+                    },
+                });
+                set.keys.push(*key);
+                set.features.push(features);
+            }
+        }
+        for provider in &compiled.providers {
+            let key = EndpointKey::from_addr(&provider_key(&provider.name));
+            let live = picker.stats.snapshot(key, now);
+            for model in &provider.models {
+                set.candidates.push(Candidate {
+                    kind: CandidateType::Provider,
+                    model: model.name.clone(),
+                    endpoint: provider.name.clone(),
+                    provider_name: Some(provider.name.clone()),
+                    metrics: CandidateMetrics {
+                        running_requests: Some(live.running as f64),
+                        observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
+                        error_rate: Some(live.error_rate),
+                        cost: model.price.map(|p: Price| p.cost(prompt, 0.0, output)),
+                        context_window: model.context_window.map(|c| c as f64),
+                        ..CandidateMetrics::default()
+                    },
+                    ..Candidate::default()
+                });
+                set.keys.push(key);
+                set.features.push(None);
+            }
+        }
+        set
+    }
+
+    pub fn to_pick(
+        &self,
+        picker: &Picker,
+        policy: &LoadedPolicy,
+        request: &Request,
+        decision: &Decision,
+    ) -> Pick {
+        let compiled = &policy.compiled;
+        match decision {
+            Decision::Reject(r) => Pick::Reject {
+                rule: r.rule.map(|i| compiled.rules[i].name.clone()),
+                status: r.status,
+                message: r.message.clone(),
+            },
+            Decision::Route(routed) => {
+                let rule = compiled.rules[routed.rule].name.clone();
+                let winner = &self.candidates[routed.winner];
+                match winner.kind {
+                    CandidateType::Local => Pick::Local(LocalPick {
+                        rule,
+                        addresses: routed
+                            .ranked
+                            .iter()
+                            .filter_map(|&i| self.candidates[i].address.clone())
+                            .collect(),
+                        endpoint: winner.endpoint.clone(),
+                        model: winner.model.clone(),
+                        rewrite_model: Some(
+                            compiled
+                                .local_model(&winner.model)
+                                .map_or(winner.model.clone(), |m| m.target_model.clone()),
+                        )
+                        .filter(|target| *target != request.model),
+                        key: self.keys[routed.winner],
+                        features: self.features[routed.winner].unwrap_or_default(),
+                    }),
+                    CandidateType::Provider => {
+                        let provider = winner.endpoint.clone();
+                        let target = compiled
+                            .provider(&provider)
+                            .and_then(|p| p.model(&winner.model))
+                            .map_or(winner.model.clone(), |m| m.target_model.clone());
+                        Pick::Provider(ProviderPick {
+                            rule,
+                            api_key: picker.provider_keys.load().get(&provider).cloned(),
+                            rewrite_model: (target != request.model).then(|| target.clone()),
+                            model: winner.model.clone(),
+                            provider,
+                            key: self.keys[routed.winner],
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stats keys of providers live beside endpoint addresses; the prefix keeps
+/// them apart.
+pub fn provider_key(name: &str) -> String {
+    format!("provider/{name}")
+}
+
+/// The subset hint names `ip:port`; a bare IP (the conformance test header)
+/// admits every port of that IP.
+fn in_subset(subset: &[String], address: &str) -> bool {
+    subset.iter().any(|s| {
+        s == address
+            || (!s.contains(':') || s.starts_with('[') && s.ends_with(']'))
+                && address.rsplit_once(':').is_some_and(|(ip, _)| ip == s)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_subset;
+
+    #[test]
+    fn subset_matches_ip_and_port_not_ip_alone() {
+        let s = vec!["10.0.0.1:8000".to_string()];
+        assert!(in_subset(&s, "10.0.0.1:8000"));
+        assert!(!in_subset(&s, "10.0.0.1:8001"));
+        assert!(!in_subset(&s, "10.0.0.10:8000"));
+        let ip_only = vec!["10.0.0.1".to_string()];
+        assert!(in_subset(&ip_only, "10.0.0.1:8001"));
+        assert!(!in_subset(&ip_only, "10.0.0.11:8001"));
+    }
+}

@@ -1,0 +1,93 @@
+//! The last decisions, kept cheaply (inputs only) so `/debug/explain` can
+//! replay them with a trace on demand instead of tracing every request.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use kinference_policy::eval::{Candidate, Decision, Request, Tags, Trace, evaluate};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use crate::policy_store::LoadedPolicy;
+
+/// Inputs of one decision. Holds no prompt text and only the headers the
+/// policy reads.
+pub struct RecordedDecision {
+    pub at: SystemTime,
+    pub policy: Arc<LoadedPolicy>,
+    pub request: Request,
+    pub tags: Tags,
+    pub candidates: Vec<Candidate>,
+    pub seed: u64,
+}
+
+pub struct RecentDecisions {
+    capacity: usize,
+    items: Mutex<VecDeque<RecordedDecision>>,
+}
+
+impl RecentDecisions {
+    pub fn new(capacity: usize) -> Self {
+        RecentDecisions {
+            capacity,
+            items: Mutex::new(VecDeque::with_capacity(capacity)),
+        }
+    }
+
+    pub fn push(&self, d: RecordedDecision) {
+        let mut items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        if items.len() == self.capacity {
+            items.pop_front();
+        }
+        items.push_back(d);
+    }
+
+    /// The newest `limit` decisions, newest first, each replayed with a trace.
+    pub fn explain(&self, limit: usize) -> Vec<Value> {
+        let items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        items.iter().rev().take(limit).map(replay).collect()
+    }
+}
+
+fn replay(d: &RecordedDecision) -> Value {
+    let mut trace = Trace::default();
+    let mut rng = SmallRng::seed_from_u64(d.seed);
+    let compiled = &d.policy.compiled;
+    let outcome = match evaluate(
+        compiled,
+        &d.request,
+        &d.tags,
+        &d.candidates,
+        &mut rng,
+        &mut trace,
+    ) {
+        kinference_policy::eval::Evaluation::Decided(Decision::Route(r)) => json!({
+            "action": "route",
+            "rule": compiled.rules[r.rule].name,
+            "candidate": d.candidates[r.winner].label(),
+            "address": d.candidates[r.winner].address,
+        }),
+        kinference_policy::eval::Evaluation::Decided(Decision::Reject(r)) => json!({
+            "action": "reject",
+            "rule": r.rule.map(|i| compiled.rules[i].name.clone()),
+            "status": r.status,
+            "message": r.message,
+        }),
+        kinference_policy::eval::Evaluation::NeedTags(_) => json!({ "action": "unknown" }),
+    };
+    let at =
+        d.at.duration_since(SystemTime::UNIX_EPOCH)
+            .map(|t| t.as_secs_f64())
+            .unwrap_or_default();
+    json!({
+        "at": at,
+        "policyHash": compiled.hash,
+        "request": d.request,
+        "tags": d.tags.tags,
+        "candidates": d.candidates.len(),
+        "trace": trace,
+        "decision": outcome,
+    })
+}

@@ -1,0 +1,191 @@
+//! The policy the EPP serves: swapped atomically, never replaced by one that
+//! fails to compile (the last good policy keeps serving).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwapOption;
+use kinference_policy::attr::{CandidateAttr, RequestAttr};
+use kinference_policy::model::Conjunction;
+use kinference_policy::{CompiledPolicy, PolicySpec, compile};
+use tokio::sync::watch;
+
+/// A compiled policy plus facts the request path wants precomputed.
+pub struct LoadedPolicy {
+    pub compiled: CompiledPolicy,
+    /// Request headers the policy reads (`header.<name>`).
+    pub header_names: BTreeSet<String>,
+    /// Whether any predicate reads `label.<key>`: copying Pod labels into
+    /// every candidate is skipped when none does.
+    pub uses_labels: bool,
+}
+
+impl LoadedPolicy {
+    pub fn new(compiled: CompiledPolicy) -> Self {
+        let mut header_names = BTreeSet::new();
+        let mut uses_labels = false;
+        let mut request = |entries: &[Conjunction<RequestAttr>]| {
+            for p in entries.iter().flatten() {
+                if let RequestAttr::Header(h) = &p.attr {
+                    header_names.insert(h.clone());
+                }
+            }
+        };
+        let mut candidate = |entries: &[Conjunction<CandidateAttr>]| {
+            uses_labels |= entries
+                .iter()
+                .flatten()
+                .any(|p| matches!(p.attr, CandidateAttr::Label(_)));
+        };
+        for rule in &compiled.rules {
+            if let Some(m) = &rule.matches {
+                request(m);
+            }
+            for ex in &rule.route.exclude {
+                if let Some(w) = &ex.when {
+                    request(w);
+                }
+                candidate(&ex.drop);
+            }
+            for tier in &rule.route.select {
+                if let Some(w) = &tier.when {
+                    candidate(w);
+                }
+            }
+        }
+        LoadedPolicy {
+            compiled,
+            header_names,
+            uses_labels,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadState {
+    Empty,
+    Loaded {
+        hash: String,
+    },
+    /// The newest input was refused; `serving` is still in force.
+    Refused {
+        serving: Option<String>,
+        error: String,
+    },
+}
+
+pub struct PolicyStore {
+    current: ArcSwapOption<LoadedPolicy>,
+    state: Mutex<LoadState>,
+    changes: watch::Sender<Option<String>>,
+}
+
+impl Default for PolicyStore {
+    fn default() -> Self {
+        PolicyStore {
+            current: ArcSwapOption::empty(),
+            state: Mutex::new(LoadState::Empty),
+            changes: watch::channel(None).0,
+        }
+    }
+}
+
+impl PolicyStore {
+    pub fn current(&self) -> Option<Arc<LoadedPolicy>> {
+        self.current.load_full()
+    }
+
+    pub fn loaded_hash(&self) -> Option<String> {
+        self.current().map(|p| p.compiled.hash.clone())
+    }
+
+    pub fn state(&self) -> LoadState {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Notified with the hash each time a new policy takes effect.
+    pub fn subscribe(&self) -> watch::Receiver<Option<String>> {
+        self.changes.subscribe()
+    }
+
+    /// Loads the operator's ConfigMap payload (the policy spec as JSON).
+    pub fn load_json(&self, json: &str) -> Result<String, String> {
+        let spec = serde_json::from_str::<PolicySpec>(json)
+            .map_err(|e| format!("the policy is not valid JSON for a policy spec: {e}"));
+        self.apply(spec.and_then(|s| compile(&s).map_err(|e| e.to_string())))
+    }
+
+    /// Loads a policy file (YAML or JSON; bare or an InferencePolicy).
+    pub fn load_text(&self, text: &str) -> Result<String, String> {
+        let compiled = kinference_policy::source::compile_text(text).map_err(|errors| {
+            errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        });
+        self.apply(compiled)
+    }
+
+    pub fn install(&self, compiled: CompiledPolicy) -> String {
+        self.apply(Ok(compiled))
+            .expect("an already compiled policy installs")
+    }
+
+    fn apply(&self, compiled: Result<CompiledPolicy, String>) -> Result<String, String> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match compiled {
+            Ok(compiled) => {
+                let hash = compiled.hash.clone();
+                if self.loaded_hash().as_deref() != Some(hash.as_str()) {
+                    // In-flight requests keep the Arc they loaded; new ones see this.
+                    self.current
+                        .store(Some(Arc::new(LoadedPolicy::new(compiled))));
+                    self.changes.send_replace(Some(hash.clone()));
+                }
+                *state = LoadState::Loaded { hash: hash.clone() };
+                Ok(hash)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "refusing a new policy; the last good one keeps serving");
+                *state = LoadState::Refused {
+                    serving: self.loaded_hash(),
+                    error: error.clone(),
+                };
+                Err(error)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: r\n    route: { select: [{ minimize: QueueDepth }] }\n";
+
+    #[test]
+    fn keeps_the_last_good_policy_when_a_new_one_fails() {
+        let store = PolicyStore::default();
+        let hash = store.load_text(GOOD).unwrap();
+        let err = store
+            .load_text("rules: [{ name: r, route: {} }]")
+            .unwrap_err();
+        assert!(err.contains("select is required"), "{err}");
+        assert_eq!(store.loaded_hash(), Some(hash.clone()));
+        assert!(matches!(store.state(), LoadState::Refused { serving: Some(h), .. } if h == hash));
+        assert!(store.load_json("{not json").is_err());
+        assert_eq!(store.loaded_hash(), Some(hash));
+    }
+
+    #[test]
+    fn notices_header_and_label_use() {
+        let store = PolicyStore::default();
+        store
+            .load_text("pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: r\n    matches: [{ header.X-Team: a }]\n    route:\n      exclude: [{ drop: { label.gpu: a10 } }]\n      select: [{ minimize: QueueDepth }]\n")
+            .unwrap();
+        let p = store.current().unwrap();
+        assert!(p.uses_labels);
+        assert_eq!(p.header_names.iter().collect::<Vec<_>>(), ["x-team"]);
+    }
+}

@@ -1,0 +1,780 @@
+//! Prompt-prefix locality: chained block hashes of the prompt text and an index
+//! of which endpoint recently received which prefix.
+//!
+//! Model servers (vLLM, SGLang, TRT-LLM) keep the KV cache of recent prompts and
+//! skip the prefill of a new prompt's longest cached prefix. The EPP cannot see
+//! the servers' caches, so it remembers what it routed where: a request routed to
+//! endpoint E leaves its prompt's prefix blocks "probably cached" on E until enough
+//! other blocks have pushed them out. [`PrefixIndex`] is that memory, one LRU per
+//! endpoint sized like the endpoint's own KV cache.
+//!
+//! Hashing works on prompt *text* bytes, not tokens (tokenizing 220 KB prompts on
+//! the request path is too slow): a block of [`DEFAULT_BLOCK_CHARS`] bytes is
+//! about 16 tokens at the usual ~4 bytes/token.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Default block size in bytes (≈ 16 tokens at ~4 bytes/token, vLLM's default
+/// KV block size).
+pub const DEFAULT_BLOCK_CHARS: usize = 64;
+
+/// Most blocks hashed per prompt. 4096 × 64 B = 256 KiB covers the 220 KB prompts
+/// of the large-prompt workload. The cap bounds the per-request work (hashing,
+/// recording, lookups) and the index entries a single request can create, so one
+/// multi-megabyte prompt cannot flush an endpoint's whole index or stall the
+/// request path; a longer shared prefix simply saturates at the cap, which
+/// under-estimates the cached tokens (the conservative direction).
+pub const MAX_BLOCKS: usize = 4096;
+
+/// Default per-endpoint index capacity in blocks: 16,384 blocks ≈ 262k tokens,
+/// the KV cache of a typical single-GPU vLLM server. Prefer
+/// [`PrefixIndex::set_endpoint_capacity`] with the server's real cache size.
+pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 16_384;
+
+/// Default bound on the number of endpoints the index tracks at once.
+pub const DEFAULT_MAX_ENDPOINTS: usize = 1024;
+
+/// A small, `Copy` identity for a destination (a local `ip:port` or a provider).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointKey(pub u64);
+
+impl EndpointKey {
+    /// Derives a key from an address string (`"10.0.0.7:8000"`) or any other
+    /// stable name (`"provider/openai"`). Unseeded xxh3, so the same string maps
+    /// to the same key across processes and restarts (useful in logs).
+    pub fn from_addr(addr: &str) -> Self {
+        Self(xxh3_64(addr.as_bytes()))
+    }
+}
+
+/// Per-process random seed of the hash chain. Prompts are attacker-controlled;
+/// with a secret seed nobody can craft blocks whose hashes collide in the index's
+/// hash tables (which are addressed by the block hashes' low bits directly) or
+/// alias another tenant's prefix.
+fn chain_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(rand::random::<u64>)
+}
+
+/// Fills `out` (cleared first) with the chained hashes of the prompt's full
+/// `block_chars`-byte blocks: `h[i] = xxh3(h[i-1], block i)`, so equal `h[i]`
+/// means equal prompt bytes `0..(i+1)*block_chars` (up to hash collisions).
+///
+/// Blocks are cut at byte offsets (we hash bytes, char boundaries do not
+/// matter) and hashed in place, without copying the prompt. A trailing partial
+/// block is not hashed: servers cache full KV blocks only. At most
+/// [`MAX_BLOCKS`] blocks are produced. `block_chars == 0` yields no blocks.
+/// Hashes are only comparable within one process (the chain is seeded randomly).
+pub fn block_hashes(prompt: &str, block_chars: usize, out: &mut Vec<u64>) {
+    block_hashes_bytes(prompt.as_bytes(), block_chars, MAX_BLOCKS, out);
+}
+
+/// [`block_hashes`] over raw bytes with an explicit block cap.
+pub fn block_hashes_bytes(
+    prompt: &[u8],
+    block_chars: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) {
+    out.clear();
+    if block_chars == 0 {
+        return;
+    }
+    let n = (prompt.len() / block_chars).min(max_blocks);
+    out.reserve(n);
+    let mut prev = chain_seed();
+    for block in prompt.chunks_exact(block_chars).take(n) {
+        // Up to 240 bytes xxh3 takes the seed directly (cheap); above that a
+        // seeded call derives a fresh 192-byte secret per call, so hash the
+        // block unseeded and fold the previous hash in with a short seeded hash.
+        prev = if block.len() <= 240 {
+            xxh3_64_with_seed(block, prev)
+        } else {
+            xxh3_64_with_seed(&xxh3_64(block).to_le_bytes(), prev)
+        };
+        out.push(prev);
+    }
+}
+
+const NIL: u32 = u32::MAX;
+
+/// One slot of the intrusive LRU list (indices instead of pointers: no unsafe,
+/// 16 bytes per block).
+#[derive(Clone, Copy)]
+struct Node {
+    hash: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// Exact LRU set of block hashes for one endpoint.
+///
+/// `nodes` holds every tracked block (a doubly linked recency list by index);
+/// `slots` is an open-addressing table (linear probing, load ≤ 1/2) of indices
+/// into `nodes`, addressed by the block hash's low bits. The hashes are already
+/// uniform (xxh3 with a secret seed), so they index the table directly, and the
+/// table stores 4-byte indices rather than (hash, index) pairs: 16 B per node
+/// plus 8–16 B of table per block, about half of a `HashMap<u64, u32>`.
+struct BlockLru {
+    slots: Vec<u32>,
+    nodes: Vec<Node>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+    cap: usize,
+}
+
+impl BlockLru {
+    fn new(cap: usize) -> Self {
+        Self {
+            slots: Vec::new(),
+            nodes: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            // Node indices are u32 with NIL reserved, and the table needs
+            // twice as many slots as nodes.
+            cap: cap.min(1 << 30),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// `(slot, node index)` of `h`.
+    fn find(&self, h: u64) -> Option<(usize, u32)> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        // Truncation is intended: the low bits address the table.
+        let mut s = h as usize & mask;
+        loop {
+            let v = self.slots[s];
+            if v == NIL {
+                return None;
+            }
+            if self.nodes[v as usize].hash == h {
+                return Some((s, v));
+            }
+            s = (s + 1) & mask;
+        }
+    }
+
+    fn contains(&self, h: u64) -> bool {
+        self.find(h).is_some()
+    }
+
+    /// Stores node `i` (not yet in the table) in its probe sequence.
+    fn insert_slot(&mut self, i: u32) {
+        let mask = self.mask();
+        let mut s = self.nodes[i as usize].hash as usize & mask;
+        while self.slots[s] != NIL {
+            s = (s + 1) & mask;
+        }
+        self.slots[s] = i;
+    }
+
+    /// Makes room for `len` nodes at load ≤ 1/2, rehashing if the table grows.
+    fn reserve_slots(&mut self, len: usize) {
+        if len * 2 <= self.slots.len() {
+            return;
+        }
+        let size = (len * 2).next_power_of_two().max(16);
+        self.slots = vec![NIL; size];
+        for i in 0..self.nodes.len() {
+            self.insert_slot(i as u32);
+        }
+    }
+
+    /// Empties slot `s`, shifting later entries of the same probe run back so
+    /// lookups never stop early (backward-shift deletion, no tombstones).
+    fn remove_slot(&mut self, s: usize) {
+        let mask = self.mask();
+        let mut hole = s;
+        self.slots[hole] = NIL;
+        let mut j = s;
+        loop {
+            j = (j + 1) & mask;
+            let v = self.slots[j];
+            if v == NIL {
+                return;
+            }
+            let home = self.nodes[v as usize].hash as usize & mask;
+            // The entry may stay only if its home lies cyclically in (hole, j].
+            let stays = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !stays {
+                self.slots[hole] = v;
+                self.slots[j] = NIL;
+                hole = j;
+            }
+        }
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+    }
+
+    fn push_front(&mut self, i: u32) {
+        self.nodes[i as usize].prev = NIL;
+        self.nodes[i as usize].next = self.head;
+        if self.head != NIL {
+            self.nodes[self.head as usize].prev = i;
+        }
+        self.head = i;
+        if self.tail == NIL {
+            self.tail = i;
+        }
+    }
+
+    /// Marks `h` most recently used, inserting it (and evicting the least
+    /// recently used block if full).
+    fn touch(&mut self, h: u64) {
+        if let Some((_, i)) = self.find(h) {
+            if self.head != i {
+                self.unlink(i);
+                self.push_front(i);
+            }
+            return;
+        }
+        if self.cap == 0 {
+            return;
+        }
+        let i = if self.nodes.len() < self.cap {
+            self.reserve_slots(self.nodes.len() + 1);
+            self.nodes.push(Node {
+                hash: h,
+                prev: NIL,
+                next: NIL,
+            });
+            (self.nodes.len() - 1) as u32
+        } else {
+            // Reuse the least recently used node for the new block.
+            let i = self.tail;
+            self.unlink(i);
+            if let Some((s, _)) = self.find(self.nodes[i as usize].hash) {
+                self.remove_slot(s);
+            }
+            self.nodes[i as usize].hash = h;
+            i
+        };
+        self.insert_slot(i);
+        self.push_front(i);
+    }
+
+    /// Changes the capacity; shrinking keeps the most recently used blocks (and
+    /// therefore the prefix-closure invariant, see [`PrefixIndex`]).
+    fn set_cap(&mut self, cap: usize) {
+        let cap = cap.min(1 << 30);
+        if cap < self.nodes.len() {
+            let mut keep = Vec::with_capacity(cap);
+            let mut i = self.head;
+            while i != NIL && keep.len() < cap {
+                keep.push(self.nodes[i as usize].hash);
+                i = self.nodes[i as usize].next;
+            }
+            *self = Self::new(cap);
+            // Re-insert oldest first so the most recent ends up at the head.
+            for &h in keep.iter().rev() {
+                self.touch(h);
+            }
+        }
+        self.cap = cap;
+    }
+
+    /// Length of the longest prefix of `hashes` present. Relies on prefix
+    /// closure (present(i) ⇒ present(j) for all j < i), so presence is monotone
+    /// along the chain and a binary search finds the boundary in O(log n).
+    fn longest_prefix(&self, hashes: &[u64]) -> usize {
+        let n = hashes.len();
+        if n == 0 || !self.contains(hashes[0]) {
+            return 0;
+        }
+        if self.contains(hashes[n - 1]) {
+            return n;
+        }
+        // Invariant: hashes[lo] present, hashes[hi] absent.
+        let (mut lo, mut hi) = (0, n - 1);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.contains(hashes[mid]) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo + 1
+    }
+}
+
+struct EndpointEntry {
+    lru: Mutex<BlockLru>,
+    /// Index-wide tick of the last `record`, to pick a victim when the index
+    /// tracks too many endpoints.
+    last_record: AtomicU64,
+}
+
+/// Recovers a poisoned lock. Nothing in these critical sections is expected to
+/// panic; if something did, serving possibly stale prefix estimates beats
+/// failing every later request.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Thread-safe index of which prompt prefixes each endpoint recently received.
+///
+/// Layout: one exact LRU set of block hashes per endpoint (the unit a model
+/// server evicts is its own cache, so the bound is per endpoint too), behind its
+/// own mutex; the endpoint table is behind an `RwLock` taken for writing only when
+/// an endpoint appears or is forgotten.
+///
+/// Prefix closure: [`record`](Self::record) touches the chain from the last
+/// block to the first, so within one endpoint a block is always more recently
+/// used than every deeper block of any chain through it (any later chain that
+/// contains block i also contains blocks 0..i and touches them after it). LRU
+/// eviction therefore removes chains from the tail, never leaving a gap, and
+/// [`cached_blocks`](Self::cached_blocks) can binary-search the chain:
+/// O(log n) lookups per endpoint, so 200 candidates × 3,500 blocks cost
+/// ~200 × 12 hash probes instead of one probe per (block, endpoint).
+///
+/// Why per endpoint rather than one map from block hash to the set of
+/// endpoints holding it: with closure, a binary search per candidate costs
+/// O(candidates · log blocks) whatever the overlap, while a walk of the chain
+/// over a shared map costs O(blocks + Σ matched (block, endpoint) pairs), which
+/// is ~700k set operations when 200 endpoints all hold a shared 220 KB prefix.
+/// It also gives each endpoint its own capacity, like the servers' caches.
+///
+/// Memory: 24–32 bytes per tracked block (16 B LRU node + 8–16 B of table),
+/// e.g. ~384 KiB for a full endpoint at the default 16,384 blocks, ~77 MB for
+/// 200 full endpoints; total ≤ per-endpoint capacity × `max_endpoints`. When a
+/// new endpoint would exceed `max_endpoints`, the endpoint recorded least
+/// recently is dropped.
+pub struct PrefixIndex {
+    endpoints: RwLock<HashMap<EndpointKey, Arc<EndpointEntry>>>,
+    default_cap: usize,
+    max_endpoints: usize,
+    tick: AtomicU64,
+}
+
+impl PrefixIndex {
+    /// An index remembering up to `capacity_blocks` blocks per endpoint (see
+    /// [`DEFAULT_BLOCKS_PER_ENDPOINT`]) for at most [`DEFAULT_MAX_ENDPOINTS`]
+    /// endpoints.
+    pub fn new(capacity_blocks: usize) -> Self {
+        Self::with_limits(capacity_blocks, DEFAULT_MAX_ENDPOINTS)
+    }
+
+    /// An index with an explicit per-endpoint capacity and endpoint bound
+    /// (`max_endpoints` is at least 1).
+    pub fn with_limits(capacity_blocks: usize, max_endpoints: usize) -> Self {
+        Self {
+            endpoints: RwLock::new(HashMap::new()),
+            default_cap: capacity_blocks,
+            max_endpoints: max_endpoints.max(1),
+            tick: AtomicU64::new(0),
+        }
+    }
+
+    fn entry(&self, endpoint: EndpointKey) -> Option<Arc<EndpointEntry>> {
+        read(&self.endpoints).get(&endpoint).cloned()
+    }
+
+    fn entry_or_insert(&self, endpoint: EndpointKey, cap: usize) -> Arc<EndpointEntry> {
+        if let Some(e) = self.entry(endpoint) {
+            return e;
+        }
+        let mut map = write(&self.endpoints);
+        if let Some(e) = map.get(&endpoint) {
+            return e.clone();
+        }
+        if map.len() >= self.max_endpoints {
+            // Rare (pod churn without forget_endpoint): a linear scan is fine.
+            let victim = map
+                .iter()
+                .min_by_key(|(_, e)| e.last_record.load(Ordering::Relaxed))
+                .map(|(k, _)| *k);
+            if let Some(v) = victim {
+                map.remove(&v);
+            }
+        }
+        let e = Arc::new(EndpointEntry {
+            lru: Mutex::new(BlockLru::new(cap)),
+            last_record: AtomicU64::new(self.tick.load(Ordering::Relaxed)),
+        });
+        map.insert(endpoint, e.clone());
+        e
+    }
+
+    /// Number of leading `hashes` the endpoint has recently received.
+    pub fn cached_blocks(&self, endpoint: EndpointKey, hashes: &[u64]) -> usize {
+        match self.entry(endpoint) {
+            Some(e) => lock(&e.lru).longest_prefix(hashes),
+            None => 0,
+        }
+    }
+
+    /// For every tracked endpoint with a non-empty cached prefix of `hashes`,
+    /// writes (endpoint, cached blocks) into `out` (cleared first). Endpoints
+    /// absent from `out` have 0 cached blocks.
+    pub fn cached_blocks_all<S: BuildHasher>(
+        &self,
+        hashes: &[u64],
+        out: &mut HashMap<EndpointKey, usize, S>,
+    ) {
+        out.clear();
+        if hashes.is_empty() {
+            return;
+        }
+        for (k, e) in read(&self.endpoints).iter() {
+            let n = lock(&e.lru).longest_prefix(hashes);
+            if n > 0 {
+                out.insert(*k, n);
+            }
+        }
+    }
+
+    /// Cached blocks for each of `endpoints`, in order, into `out` (cleared
+    /// first). Cheaper than [`cached_blocks_all`](Self::cached_blocks_all) when
+    /// the candidates are a small subset of the tracked endpoints.
+    pub fn cached_blocks_many(
+        &self,
+        endpoints: &[EndpointKey],
+        hashes: &[u64],
+        out: &mut Vec<usize>,
+    ) {
+        out.clear();
+        if hashes.is_empty() {
+            out.resize(endpoints.len(), 0);
+            return;
+        }
+        let map = read(&self.endpoints);
+        out.extend(endpoints.iter().map(|k| match map.get(k) {
+            Some(e) => lock(&e.lru).longest_prefix(hashes),
+            None => 0,
+        }));
+    }
+
+    /// Records that a request with these prefix hashes was routed to
+    /// `endpoint`. Costs one table update per block: ~40 µs for a known
+    /// 3,500-block chain (LRU refresh), ~200 µs for a new one that evicts; best
+    /// called once the routing reply is on its way. The endpoint's lock is held
+    /// for the whole chain so readers never observe a half-recorded chain.
+    pub fn record(&self, endpoint: EndpointKey, hashes: &[u64]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let e = self.entry_or_insert(endpoint, self.default_cap);
+        let t = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        e.last_record.store(t, Ordering::Relaxed);
+        let mut lru = lock(&e.lru);
+        // Deepest block first: see the prefix-closure note on the type.
+        for &h in hashes.iter().rev() {
+            lru.touch(h);
+        }
+    }
+
+    /// Sets one endpoint's capacity in blocks, e.g. from the server's
+    /// `vllm:cache_config_info` (num_gpu_blocks × block_size tokens ÷ ~16 tokens
+    /// per index block). Shrinking drops the least recently used blocks.
+    pub fn set_endpoint_capacity(&self, endpoint: EndpointKey, capacity_blocks: usize) {
+        let e = self.entry_or_insert(endpoint, capacity_blocks);
+        lock(&e.lru).set_cap(capacity_blocks);
+    }
+
+    /// Drops everything known about `endpoint` (Pod gone, or its cache reset).
+    pub fn forget_endpoint(&self, endpoint: EndpointKey) {
+        write(&self.endpoints).remove(&endpoint);
+    }
+
+    /// Number of tracked endpoints.
+    pub fn endpoint_count(&self) -> usize {
+        read(&self.endpoints).len()
+    }
+
+    /// Total tracked blocks over all endpoints (for a memory gauge).
+    pub fn total_blocks(&self) -> usize {
+        read(&self.endpoints)
+            .values()
+            .map(|e| lock(&e.lru).len())
+            .sum()
+    }
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new(DEFAULT_BLOCKS_PER_ENDPOINT)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(s: &str) -> Vec<u64> {
+        let mut v = Vec::new();
+        block_hashes(s, DEFAULT_BLOCK_CHARS, &mut v);
+        v
+    }
+
+    fn text(seed: u8, len: usize) -> String {
+        // Pseudo-random letters, distinct per seed.
+        (0..len)
+            .map(|i| {
+                (b'a' + (xxh3_64(&[seed, (i % 251) as u8, (i / 251) as u8]) % 26) as u8) as char
+            })
+            .collect()
+    }
+
+    #[test]
+    fn block_hashes_are_chained_prefixes() {
+        let a = text(1, 64 * 10 + 5);
+        let mut b = a[..64 * 6].to_string();
+        b.push_str(&text(2, 64 * 4));
+        let (ha, hb) = (hashes(&a), hashes(&b));
+        assert_eq!(ha.len(), 10, "trailing partial block is not hashed");
+        assert_eq!(hb.len(), 10);
+        assert_eq!(ha[..6], hb[..6]);
+        assert!(ha[6..].iter().zip(&hb[6..]).all(|(x, y)| x != y));
+        // Same block content at a different position hashes differently.
+        let rep = "x".repeat(64 * 3);
+        let hr = hashes(&rep);
+        assert_ne!(hr[0], hr[1]);
+        assert_ne!(hr[1], hr[2]);
+    }
+
+    #[test]
+    fn block_hashes_edge_cases() {
+        let mut v = vec![1, 2, 3];
+        block_hashes("short", 64, &mut v);
+        assert!(v.is_empty());
+        block_hashes("abc", 0, &mut v);
+        assert!(v.is_empty());
+        // Multi-byte chars cut mid-char are fine: bytes are hashed.
+        block_hashes(&"é".repeat(100), 3, &mut v);
+        assert_eq!(v.len(), 66);
+        // Cap.
+        let big = "y".repeat(64 * (MAX_BLOCKS + 10));
+        block_hashes(&big, 64, &mut v);
+        assert_eq!(v.len(), MAX_BLOCKS);
+        // Large blocks take the unseeded-then-fold path and stay chained.
+        let a = text(3, 1000 * 4);
+        let mut b = a[..2000].to_string();
+        b.push_str(&text(4, 2000));
+        let (mut ha, mut hb) = (Vec::new(), Vec::new());
+        block_hashes(&a, 1000, &mut ha);
+        block_hashes(&b, 1000, &mut hb);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+    }
+
+    #[test]
+    fn endpoint_key_is_stable() {
+        assert_eq!(
+            EndpointKey::from_addr("10.0.0.1:8000"),
+            EndpointKey::from_addr("10.0.0.1:8000")
+        );
+        assert_ne!(
+            EndpointKey::from_addr("10.0.0.1:8000"),
+            EndpointKey::from_addr("10.0.0.1:8001")
+        );
+    }
+
+    #[test]
+    fn cached_blocks_longest_prefix() {
+        let idx = PrefixIndex::new(1000);
+        let (e1, e2) = (EndpointKey(1), EndpointKey(2));
+        let a = hashes(&text(1, 64 * 20));
+        let mut bs = text(1, 64 * 8);
+        bs.push_str(&text(9, 64 * 12));
+        let b = hashes(&bs);
+        assert_eq!(idx.cached_blocks(e1, &a), 0);
+        idx.record(e1, &a);
+        assert_eq!(idx.cached_blocks(e1, &a), 20);
+        assert_eq!(idx.cached_blocks(e1, &b), 8);
+        assert_eq!(idx.cached_blocks(e2, &a), 0);
+        assert_eq!(idx.cached_blocks(e1, &a[..5]), 5);
+        assert_eq!(idx.cached_blocks(e1, &[]), 0);
+        idx.record(e2, &b[..3]);
+        let mut all = HashMap::new();
+        idx.cached_blocks_all(&b, &mut all);
+        assert_eq!(all.get(&e1), Some(&8));
+        assert_eq!(all.get(&e2), Some(&3));
+        let mut many = Vec::new();
+        idx.cached_blocks_many(&[e2, EndpointKey(77), e1], &b, &mut many);
+        assert_eq!(many, vec![3, 0, 8]);
+        idx.forget_endpoint(e1);
+        assert_eq!(idx.cached_blocks(e1, &a), 0);
+        idx.cached_blocks_all(&b, &mut all);
+        assert_eq!(all.len(), 1);
+    }
+
+    /// Brute-force reference: longest prefix by a linear scan until the first
+    /// miss. Under LRU pressure the binary search must agree with it (the
+    /// prefix-closure invariant).
+    #[test]
+    fn eviction_keeps_prefix_closure() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(7);
+        let idx = PrefixIndex::new(300);
+        let e = EndpointKey(5);
+        // A few "system prompts" shared by many requests, each with a random tail.
+        let systems: Vec<String> = (0..4)
+            .map(|i| text(i, 64 * rng.random_range(5..60)))
+            .collect();
+        let mut seen: Vec<Vec<u64>> = Vec::new();
+        for round in 0..400 {
+            let mut p = systems[rng.random_range(0..systems.len())].clone();
+            p.push_str(&text((round % 250) as u8, 64 * rng.random_range(0..80)));
+            let h = hashes(&p);
+            idx.record(e, &h);
+            seen.push(h);
+            if round % 7 == 0 {
+                idx.set_endpoint_capacity(e, rng.random_range(50..400));
+            }
+            let entry = idx.entry(e).unwrap();
+            let lru = lock(&entry.lru);
+            assert!(lru.len() <= lru.cap);
+            for q in seen.iter().rev().take(20) {
+                let linear = q.iter().take_while(|h| lru.contains(**h)).count();
+                assert_eq!(lru.longest_prefix(q), linear);
+                // No gaps: nothing beyond the linear prefix is present.
+                assert!(q[linear..].iter().all(|h| !lru.contains(*h)));
+            }
+        }
+    }
+
+    /// The compact table + list against a naive LRU (a Vec in recency
+    /// order), with keys that collide heavily in the table's low bits to
+    /// exercise probing and backward-shift deletion.
+    #[test]
+    fn block_lru_matches_naive_model() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(11);
+        for cap in [1usize, 2, 7, 64, 300] {
+            let mut lru = BlockLru::new(cap);
+            let mut model: Vec<u64> = Vec::new(); // most recent first
+            for step in 0..20_000 {
+                let k = match rng.random_range(0..3) {
+                    0 => rng.random_range(0..(cap as u64 * 3)) << 32, // low bits all 0
+                    1 => (rng.random_range(0..40u64) << 40) | rng.random_range(0..4u64),
+                    _ => rng.random_range(0..(cap as u64 * 2 + 5)),
+                };
+                lru.touch(k);
+                if let Some(p) = model.iter().position(|&m| m == k) {
+                    model.remove(p);
+                }
+                model.insert(0, k);
+                model.truncate(cap);
+                if step % 97 == 0 {
+                    assert_eq!(lru.len(), model.len());
+                    // Recency order from the list matches the model.
+                    let mut order = Vec::new();
+                    let mut i = lru.head;
+                    while i != NIL {
+                        order.push(lru.nodes[i as usize].hash);
+                        i = lru.nodes[i as usize].next;
+                    }
+                    assert_eq!(order, model, "cap {cap} step {step}");
+                    assert!(model.iter().all(|&m| lru.contains(m)));
+                    assert_eq!(lru.slots.iter().filter(|&&v| v != NIL).count(), model.len());
+                }
+                let probe = rng.random_range(0..(cap as u64 * 3)) << 32;
+                assert_eq!(lru.contains(probe), model.contains(&probe));
+            }
+        }
+    }
+
+    #[test]
+    fn lru_evicts_least_recent() {
+        let idx = PrefixIndex::new(10);
+        let e = EndpointKey(1);
+        let a = hashes(&text(1, 64 * 6));
+        let b = hashes(&text(2, 64 * 6));
+        idx.record(e, &a);
+        idx.record(e, &b);
+        // 12 blocks into 10 slots: a's two deepest blocks went first.
+        assert_eq!(idx.cached_blocks(e, &a), 4);
+        assert_eq!(idx.cached_blocks(e, &b), 6);
+        // Refresh a's head block, then push 3 new blocks: a's tail blocks 3, 2, 1
+        // are now the least recent and go.
+        idx.record(e, &a[..1]);
+        idx.record(e, &b);
+        idx.record(e, &hashes(&text(3, 64 * 3)));
+        assert_eq!(idx.cached_blocks(e, &a), 1);
+        assert_eq!(idx.cached_blocks(e, &b), 6);
+        assert_eq!(idx.total_blocks(), 10);
+        idx.set_endpoint_capacity(e, 0);
+        assert_eq!(idx.cached_blocks(e, &b), 0);
+        idx.record(e, &b);
+        assert_eq!(idx.total_blocks(), 0);
+    }
+
+    #[test]
+    fn max_endpoints_drops_least_recently_recorded() {
+        let idx = PrefixIndex::with_limits(100, 2);
+        let h = hashes(&text(1, 64 * 3));
+        idx.record(EndpointKey(1), &h);
+        idx.record(EndpointKey(2), &h);
+        idx.record(EndpointKey(1), &h);
+        idx.record(EndpointKey(3), &h);
+        assert_eq!(idx.endpoint_count(), 2);
+        assert_eq!(idx.cached_blocks(EndpointKey(2), &h), 0);
+        assert_eq!(idx.cached_blocks(EndpointKey(1), &h), 3);
+        assert_eq!(idx.cached_blocks(EndpointKey(3), &h), 3);
+    }
+
+    #[test]
+    fn concurrent_use() {
+        let idx = Arc::new(PrefixIndex::new(2000));
+        let hs: Vec<Vec<u64>> = (0..8).map(|i| hashes(&text(i, 64 * 100))).collect();
+        let hs = Arc::new(hs);
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let (idx, hs) = (idx.clone(), hs.clone());
+                std::thread::spawn(move || {
+                    let mut out = HashMap::new();
+                    for i in 0..200 {
+                        let h = &hs[(i + t) % hs.len()];
+                        idx.record(EndpointKey((i % 5) as u64), h);
+                        idx.cached_blocks_all(h, &mut out);
+                        assert!(out.values().all(|&n| n == 100));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(idx.endpoint_count(), 5);
+    }
+}

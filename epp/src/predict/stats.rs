@@ -1,0 +1,644 @@
+//! Live per-destination statistics, for local endpoints and providers alike:
+//! `ObservedTTFT`, `ErrorRate`, `RunningRequests` (in flight from this EPP) and a
+//! circuit breaker.
+//!
+//! Time is injected: every time-dependent method takes `now: Instant`, so tests
+//! drive a fake timeline (`t0 + Duration`) and the EPP passes `Instant::now()`.
+//!
+//! Decayed means. Both TTFT and error rate are means in which a sample of age
+//! `a` weighs `2^(-a / half_life)`. Kept as a decayed sum and a decayed weight,
+//! updated in O(1) per sample. Unlike a per-sample EWMA this forgets by *time*:
+//! - an endpoint that went idle does not keep its old TTFT forever — once the
+//!   remaining weight falls below `min_weight` (one sample: ~4.3 half-lives,
+//!   43 s at the default 10 s) `ObservedTTFT` is absent again, and the first
+//!   sample after a long pause dominates the mean;
+//! - a destination that was dropped for its error rate gets no traffic, so
+//!   its error rate must decay without new samples, or it would stay excluded
+//!   forever.
+//!
+//! Error rate = decayed failures / (decayed requests + `error_prior_weight`):
+//! the prior is one pseudo-success, so a single failure after an idle period
+//! reads 0.5 (not > 0.5) rather than 1.0, while a burst of failures quickly
+//! approaches 1. Zero with no recent data.
+//!
+//! Circuit breaker. After `breaker_failures` consecutive failures the breaker
+//! opens for `breaker_cooldown`; then it is half-open: the next request begun
+//! (via [`DestinationStats::begin`]) is the probe and, while it is in flight,
+//! the breaker reads as open again; its success closes the breaker, its
+//! failure re-opens it for another cooldown, and a probe dropped without an
+//! outcome (client abort) frees the slot for another probe. Two requests may
+//! slip through as probes if they are routed in the same instant; that is
+//! harmless. While open, [`DestSnapshot::error_rate`] reports 1.0, so a policy
+//! `exclude: drop: {ErrorRate: {greaterThan: 0.5}}` drops the destination as
+//! users expect, and policies that ignore ErrorRate still see the breaker via
+//! [`DestSnapshot::breaker_open`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use super::prefix::EndpointKey;
+
+/// Tuning of [`DestinationStats`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StatsConfig {
+    /// Half-life of a TTFT sample's weight.
+    pub ttft_half_life: Duration,
+    /// Half-life of a request outcome's weight in the error rate.
+    pub error_half_life: Duration,
+    /// Pseudo-successes added to the error-rate denominator.
+    pub error_prior_weight: f64,
+    /// `ObservedTTFT` is absent once the decayed sample weight is below this.
+    pub min_weight: f64,
+    /// Consecutive failures that open the breaker (0 disables the breaker).
+    pub breaker_failures: u32,
+    /// How long the breaker stays open before a probe is allowed.
+    pub breaker_cooldown: Duration,
+}
+
+impl Default for StatsConfig {
+    fn default() -> Self {
+        Self {
+            ttft_half_life: Duration::from_secs(10),
+            error_half_life: Duration::from_secs(30),
+            error_prior_weight: 1.0,
+            min_weight: 0.05,
+            breaker_failures: 5,
+            breaker_cooldown: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How a request to a destination ended. What counts as a failure is the
+/// caller's call (connect error, timeout, 5xx; usually not 4xx).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure,
+}
+
+/// Everything the EPP needs for one candidate, read under one lock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DestSnapshot {
+    /// Decayed mean TTFT; `None` when no recent samples.
+    pub observed_ttft: Option<Duration>,
+    /// Recent failure fraction 0..1; 1.0 while the breaker is open.
+    pub error_rate: f64,
+    /// Requests in flight from this EPP.
+    pub running: u64,
+    pub breaker_open: bool,
+}
+
+impl Default for DestSnapshot {
+    fn default() -> Self {
+        Self {
+            observed_ttft: None,
+            error_rate: 0.0,
+            running: 0,
+            breaker_open: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Decayed {
+    sum: f64,
+    weight: f64,
+    at: Option<Instant>,
+}
+
+impl Decayed {
+    fn factor(at: Option<Instant>, now: Instant, half_life: Duration) -> f64 {
+        let Some(at) = at else { return 1.0 };
+        // Out-of-order `now` (taken before another thread's update) counts as 0 s.
+        let dt = now.saturating_duration_since(at).as_secs_f64();
+        let hl = half_life.as_secs_f64();
+        if hl <= 0.0 {
+            if dt > 0.0 { 0.0 } else { 1.0 }
+        } else {
+            (-dt / hl).exp2()
+        }
+    }
+
+    fn at_time(&self, now: Instant, half_life: Duration) -> (f64, f64) {
+        let f = Self::factor(self.at, now, half_life);
+        (self.sum * f, self.weight * f)
+    }
+
+    fn add(&mut self, x: f64, now: Instant, half_life: Duration) {
+        let (s, w) = self.at_time(now, half_life);
+        self.sum = s + x;
+        self.weight = w + 1.0;
+        self.at = Some(self.at.map_or(now, |a| a.max(now)));
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Breaker {
+    Closed,
+    Open { until: Instant },
+    HalfOpen { probe_in_flight: bool },
+}
+
+#[derive(Debug)]
+struct Inner {
+    ttft: Decayed,
+    errors: Decayed,
+    consecutive_failures: u32,
+    breaker: Breaker,
+    last_activity: Option<Instant>,
+}
+
+struct Dest {
+    inflight: AtomicU64,
+    inner: Mutex<Inner>,
+    cfg: StatsConfig,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections are plain field updates; a poisoned lock still holds
+    // consistent numbers.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    fn touch(&mut self, now: Instant) {
+        self.last_activity = Some(self.last_activity.map_or(now, |a| a.max(now)));
+    }
+
+    fn breaker_open(&self, now: Instant) -> bool {
+        match self.breaker {
+            Breaker::Closed => false,
+            Breaker::Open { until } => now < until,
+            Breaker::HalfOpen { probe_in_flight } => probe_in_flight,
+        }
+    }
+
+    fn snapshot(&self, cfg: &StatsConfig, running: u64, now: Instant) -> DestSnapshot {
+        let (s, w) = self.ttft.at_time(now, cfg.ttft_half_life);
+        let observed_ttft = (w >= cfg.min_weight && w > 0.0)
+            .then(|| Duration::try_from_secs_f64(s / w).ok())
+            .flatten();
+        let breaker_open = self.breaker_open(now);
+        let error_rate = if breaker_open {
+            1.0
+        } else {
+            let (f, n) = self.errors.at_time(now, cfg.error_half_life);
+            let d = n + cfg.error_prior_weight.max(0.0);
+            if d > 0.0 {
+                (f / d).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
+        };
+        DestSnapshot {
+            observed_ttft,
+            error_rate,
+            running,
+            breaker_open,
+        }
+    }
+
+    fn record_ttft(&mut self, cfg: &StatsConfig, ttft: Duration, now: Instant) {
+        let secs = ttft.as_secs_f64();
+        if secs.is_finite() {
+            self.ttft.add(secs, now, cfg.ttft_half_life);
+        }
+        self.touch(now);
+    }
+
+    fn record_outcome(&mut self, cfg: &StatsConfig, outcome: Outcome, now: Instant) {
+        self.touch(now);
+        match outcome {
+            Outcome::Success => {
+                self.errors.add(0.0, now, cfg.error_half_life);
+                self.consecutive_failures = 0;
+                // Any success (the probe's or one begun before the breaker opened)
+                // is evidence the destination works again.
+                self.breaker = Breaker::Closed;
+            }
+            Outcome::Failure => {
+                self.errors.add(1.0, now, cfg.error_half_life);
+                self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+                let open = Breaker::Open {
+                    until: now + cfg.breaker_cooldown,
+                };
+                match self.breaker {
+                    Breaker::HalfOpen { .. } => self.breaker = open,
+                    Breaker::Closed
+                        if cfg.breaker_failures > 0
+                            && self.consecutive_failures >= cfg.breaker_failures =>
+                    {
+                        self.breaker = open;
+                    }
+                    // Already open: late failures of earlier requests do not
+                    // extend the cooldown.
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Claims the probe slot if the breaker allows a probe now.
+    fn begin(&mut self, now: Instant) -> bool {
+        self.touch(now);
+        match self.breaker {
+            Breaker::Open { until } if now >= until => {
+                self.breaker = Breaker::HalfOpen {
+                    probe_in_flight: true,
+                };
+                true
+            }
+            Breaker::HalfOpen {
+                probe_in_flight: false,
+            } => {
+                self.breaker = Breaker::HalfOpen {
+                    probe_in_flight: true,
+                };
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Thread-safe per-destination statistics (see the module doc). Reads take a
+/// shared table lock plus one short per-destination mutex.
+pub struct DestinationStats {
+    cfg: StatsConfig,
+    dests: RwLock<HashMap<EndpointKey, Arc<Dest>>>,
+}
+
+impl Default for DestinationStats {
+    fn default() -> Self {
+        Self::new(StatsConfig::default())
+    }
+}
+
+impl DestinationStats {
+    pub fn new(cfg: StatsConfig) -> Self {
+        Self {
+            cfg,
+            dests: RwLock::new(HashMap::new()),
+        }
+    }
+
+    pub fn config(&self) -> &StatsConfig {
+        &self.cfg
+    }
+
+    fn get(&self, key: EndpointKey) -> Option<Arc<Dest>> {
+        read(&self.dests).get(&key).cloned()
+    }
+
+    fn get_or_insert(&self, key: EndpointKey) -> Arc<Dest> {
+        if let Some(d) = self.get(key) {
+            return d;
+        }
+        write(&self.dests)
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Dest {
+                    inflight: AtomicU64::new(0),
+                    inner: Mutex::new(Inner {
+                        ttft: Decayed::default(),
+                        errors: Decayed::default(),
+                        consecutive_failures: 0,
+                        breaker: Breaker::Closed,
+                        last_activity: None,
+                    }),
+                    cfg: self.cfg,
+                })
+            })
+            .clone()
+    }
+
+    /// A request was routed to `key`: counts it in flight until the guard is
+    /// dropped (so an aborted stream cannot leak a count), and claims the
+    /// breaker's probe slot if it is half-open.
+    pub fn begin(&self, key: EndpointKey, now: Instant) -> InflightGuard {
+        let dest = self.get_or_insert(key);
+        dest.inflight.fetch_add(1, Ordering::Relaxed);
+        let probe = lock(&dest.inner).begin(now);
+        InflightGuard {
+            key,
+            dest,
+            probe,
+            finished: false,
+        }
+    }
+
+    /// Records a TTFT sample (time to first byte/token of the response).
+    pub fn record_ttft(&self, key: EndpointKey, ttft: Duration, now: Instant) {
+        let d = self.get_or_insert(key);
+        lock(&d.inner).record_ttft(&self.cfg, ttft, now);
+    }
+
+    /// Records how a request ended, for callers that do not hold the guard.
+    pub fn record_outcome(&self, key: EndpointKey, outcome: Outcome, now: Instant) {
+        let d = self.get_or_insert(key);
+        lock(&d.inner).record_outcome(&self.cfg, outcome, now);
+    }
+
+    /// All statistics of `key` at `now` (defaults for an unknown key).
+    pub fn snapshot(&self, key: EndpointKey, now: Instant) -> DestSnapshot {
+        match self.get(key) {
+            Some(d) => {
+                let running = d.inflight.load(Ordering::Relaxed);
+                lock(&d.inner).snapshot(&self.cfg, running, now)
+            }
+            None => DestSnapshot::default(),
+        }
+    }
+
+    /// Decayed mean TTFT, `None` without recent samples.
+    pub fn observed_ttft(&self, key: EndpointKey, now: Instant) -> Option<Duration> {
+        self.snapshot(key, now).observed_ttft
+    }
+
+    /// Recent failure fraction; 1.0 while the breaker is open.
+    pub fn error_rate(&self, key: EndpointKey, now: Instant) -> f64 {
+        self.snapshot(key, now).error_rate
+    }
+
+    /// Requests in flight from this EPP.
+    pub fn running(&self, key: EndpointKey) -> u64 {
+        self.get(key)
+            .map_or(0, |d| d.inflight.load(Ordering::Relaxed))
+    }
+
+    /// Whether the breaker currently refuses traffic (open, or half-open with
+    /// its probe in flight).
+    pub fn is_open(&self, key: EndpointKey, now: Instant) -> bool {
+        self.get(key)
+            .is_some_and(|d| lock(&d.inner).breaker_open(now))
+    }
+
+    /// Drops a destination's statistics (Pod gone, provider removed). Live
+    /// guards keep working on the detached entry.
+    pub fn forget(&self, key: EndpointKey) {
+        write(&self.dests).remove(&key);
+    }
+
+    /// Drops destinations idle for `max_idle`: nothing in flight, breaker not
+    /// open, no activity since `now - max_idle`. Call periodically to bound
+    /// memory under churn. Returns how many were dropped.
+    pub fn prune_idle(&self, now: Instant, max_idle: Duration) -> usize {
+        let mut map = write(&self.dests);
+        let before = map.len();
+        map.retain(|_, d| {
+            if d.inflight.load(Ordering::Relaxed) > 0 {
+                return true;
+            }
+            let inner = lock(&d.inner);
+            inner.breaker != Breaker::Closed
+                || inner
+                    .last_activity
+                    .is_some_and(|a| now.saturating_duration_since(a) < max_idle)
+        });
+        before - map.len()
+    }
+
+    /// Number of tracked destinations.
+    pub fn len(&self) -> usize {
+        read(&self.dests).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A request in flight to one destination. Dropping it (normally, on error, or
+/// when the stream is aborted) decrements `RunningRequests`.
+pub struct InflightGuard {
+    key: EndpointKey,
+    dest: Arc<Dest>,
+    probe: bool,
+    finished: bool,
+}
+
+impl InflightGuard {
+    pub fn key(&self) -> EndpointKey {
+        self.key
+    }
+
+    /// Whether this request is the half-open breaker's probe.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
+
+    /// Records this request's TTFT (first response byte/token).
+    pub fn record_ttft(&self, ttft: Duration, now: Instant) {
+        lock(&self.dest.inner).record_ttft(&self.dest.cfg, ttft, now);
+    }
+
+    /// Records the outcome and ends the request. Dropping the guard without
+    /// calling this records no outcome (a client abort says nothing about the
+    /// destination) and frees the probe slot if this was the probe.
+    pub fn finish(mut self, outcome: Outcome, now: Instant) {
+        self.finished = true;
+        lock(&self.dest.inner).record_outcome(&self.dest.cfg, outcome, now);
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.dest.inflight.fetch_sub(1, Ordering::Relaxed);
+        if self.probe && !self.finished {
+            let mut inner = lock(&self.dest.inner);
+            if inner.breaker
+                == (Breaker::HalfOpen {
+                    probe_in_flight: true,
+                })
+            {
+                inner.breaker = Breaker::HalfOpen {
+                    probe_in_flight: false,
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn observed_ttft_decays_by_time() {
+        let st = DestinationStats::default();
+        let k = EndpointKey(1);
+        let t0 = Instant::now();
+        assert_eq!(st.observed_ttft(k, t0), None);
+        st.record_ttft(k, secs(1.0), t0);
+        st.record_ttft(k, secs(3.0), t0);
+        let m = st.observed_ttft(k, t0).unwrap().as_secs_f64();
+        assert!((m - 2.0).abs() < 1e-9);
+        // 10 s later the old samples weigh ½ each: (0.5 + 1.5 + 4) / (0.5 + 0.5 + 1).
+        st.record_ttft(k, secs(4.0), t0 + secs(10.0));
+        let m = st.observed_ttft(k, t0 + secs(10.0)).unwrap().as_secs_f64();
+        assert!((m - 3.0).abs() < 1e-9, "{m}");
+        // Idle: the value itself stays (a mean), but disappears once stale.
+        assert!(st.observed_ttft(k, t0 + secs(40.0)).is_some());
+        assert_eq!(st.observed_ttft(k, t0 + secs(200.0)), None);
+        // After a long pause the first sample dominates.
+        st.record_ttft(k, secs(0.5), t0 + secs(100.0));
+        let m = st.observed_ttft(k, t0 + secs(100.0)).unwrap().as_secs_f64();
+        assert!((m - 0.5).abs() < 0.05, "{m}");
+        // A `now` earlier than the last update is treated as no elapsed time.
+        assert!(st.observed_ttft(k, t0).is_some());
+    }
+
+    #[test]
+    fn error_rate_and_prior() {
+        let st = DestinationStats::default();
+        let k = EndpointKey(2);
+        let t0 = Instant::now();
+        assert_eq!(st.error_rate(k, t0), 0.0);
+        st.record_outcome(k, Outcome::Failure, t0);
+        assert!(
+            (st.error_rate(k, t0) - 0.5).abs() < 1e-9,
+            "one failure is not > 0.5"
+        );
+        for _ in 0..3 {
+            st.record_outcome(k, Outcome::Success, t0);
+        }
+        assert!((st.error_rate(k, t0) - 0.2).abs() < 1e-9);
+        for _ in 0..4 {
+            st.record_outcome(k, Outcome::Failure, t0);
+        }
+        assert!(!st.is_open(k, t0));
+        assert!((st.error_rate(k, t0) - 5.0 / 9.0).abs() < 1e-9);
+        // Decays with time even without new requests.
+        assert!(st.error_rate(k, t0 + secs(300.0)) < 0.01);
+    }
+
+    #[test]
+    fn running_requests_guard() {
+        let st = DestinationStats::default();
+        let k = EndpointKey(3);
+        let t0 = Instant::now();
+        let g1 = st.begin(k, t0);
+        let g2 = st.begin(k, t0);
+        assert_eq!(st.running(k), 2);
+        assert_eq!(st.snapshot(k, t0).running, 2);
+        g1.finish(Outcome::Success, t0);
+        assert_eq!(st.running(k), 1);
+        // An aborted stream: the guard is just dropped (e.g. on a panic/unwind).
+        let h = std::thread::spawn(move || {
+            let _g = g2;
+            panic!("stream aborted");
+        });
+        assert!(h.join().is_err());
+        assert_eq!(st.running(k), 0);
+        assert_eq!(st.running(EndpointKey(99)), 0);
+    }
+
+    #[test]
+    fn breaker_opens_probes_and_closes() {
+        let st = DestinationStats::default();
+        let k = EndpointKey(4);
+        let t0 = Instant::now();
+        for i in 0..4 {
+            st.begin(k, t0).finish(Outcome::Failure, t0);
+            assert!(!st.is_open(k, t0), "after {} failures", i + 1);
+        }
+        // A success resets the streak.
+        st.begin(k, t0).finish(Outcome::Success, t0);
+        for _ in 0..5 {
+            st.begin(k, t0).finish(Outcome::Failure, t0);
+        }
+        assert!(st.is_open(k, t0));
+        let s = st.snapshot(k, t0 + secs(29.0));
+        assert!(s.breaker_open && s.error_rate == 1.0);
+        // Cooldown over: half-open, one probe.
+        let t1 = t0 + secs(30.0);
+        assert!(!st.is_open(k, t1));
+        let probe = st.begin(k, t1);
+        assert!(probe.is_probe());
+        assert!(st.is_open(k, t1), "closed to others while the probe runs");
+        // Probe fails: open again for a full cooldown.
+        probe.finish(Outcome::Failure, t1);
+        assert!(st.is_open(k, t1 + secs(29.0)));
+        let t2 = t1 + secs(30.0);
+        // Aborted probe frees the slot.
+        let probe = st.begin(k, t2);
+        assert!(probe.is_probe() && st.is_open(k, t2));
+        drop(probe);
+        assert!(!st.is_open(k, t2));
+        // Successful probe closes the breaker.
+        let probe = st.begin(k, t2);
+        assert!(probe.is_probe());
+        probe.finish(Outcome::Success, t2);
+        assert!(!st.is_open(k, t2));
+        assert!(st.error_rate(k, t2) < 1.0);
+        assert!(!st.begin(k, t2).is_probe());
+    }
+
+    #[test]
+    fn breaker_can_be_disabled() {
+        let st = DestinationStats::new(StatsConfig {
+            breaker_failures: 0,
+            ..Default::default()
+        });
+        let k = EndpointKey(5);
+        let t0 = Instant::now();
+        for _ in 0..50 {
+            st.record_outcome(k, Outcome::Failure, t0);
+        }
+        assert!(!st.is_open(k, t0));
+    }
+
+    #[test]
+    fn forget_and_prune() {
+        let st = DestinationStats::default();
+        let t0 = Instant::now();
+        st.record_ttft(EndpointKey(1), secs(0.1), t0);
+        st.record_ttft(EndpointKey(2), secs(0.1), t0 + secs(50.0));
+        let g = st.begin(EndpointKey(3), t0);
+        assert_eq!(st.len(), 3);
+        assert_eq!(st.prune_idle(t0 + secs(60.0), secs(30.0)), 1);
+        assert_eq!(st.len(), 2);
+        st.forget(EndpointKey(3));
+        assert_eq!(st.running(EndpointKey(3)), 0);
+        drop(g); // detached entry: no underflow visible, no panic
+        assert_eq!(st.running(EndpointKey(3)), 0);
+    }
+
+    #[test]
+    fn concurrent_guards() {
+        let st = Arc::new(DestinationStats::default());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let st = st.clone();
+                std::thread::spawn(move || {
+                    for i in 0..5000u64 {
+                        let g = st.begin(EndpointKey(i % 3), Instant::now());
+                        g.record_ttft(secs(0.01), Instant::now());
+                        if i % 2 == 0 {
+                            g.finish(Outcome::Success, Instant::now());
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        for k in 0..3 {
+            assert_eq!(st.running(EndpointKey(k)), 0);
+            assert!(st.observed_ttft(EndpointKey(k), Instant::now()).is_some());
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Wiring: the ext_proc gRPC server, gRPC health, the HTTP side (metrics,
+//! health, explain), policy delivery and endpoint discovery.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+
+use crate::endpoints::{EndpointRegistry, default_staleness, spawn_scraper};
+use crate::extproc::{ExtProcConfig, ExtProcService};
+use crate::metrics::Metrics;
+use crate::picker::{Picker, PickerConfig};
+use crate::policy_store::PolicyStore;
+
+/// gRPC health service names the reference EPP answers.
+pub const HEALTH_SERVICES: &[&str] = &[
+    "inference-extension",
+    "liveness",
+    "readiness",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+];
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub ext_proc: ExtProcConfig,
+    pub picker: PickerConfig,
+    pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            ext_proc: ExtProcConfig::default(),
+            picker: PickerConfig::default(),
+            scrape_interval: Duration::from_millis(50),
+            scrape_timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+/// The running EPP's shared state.
+#[derive(Clone)]
+pub struct Epp {
+    pub picker: Arc<Picker>,
+    pub settings: Arc<Settings>,
+}
+
+impl Epp {
+    pub fn new(settings: Settings) -> Self {
+        let registry = EndpointRegistry::new(default_staleness(settings.scrape_interval));
+        let picker = Picker::new(
+            Arc::new(PolicyStore::default()),
+            registry,
+            Arc::new(Metrics::default()),
+            settings.picker.clone(),
+        );
+        Epp {
+            picker: Arc::new(picker),
+            settings: Arc::new(settings),
+        }
+    }
+
+    pub fn policy(&self) -> &Arc<PolicyStore> {
+        &self.picker.policy
+    }
+
+    pub fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.picker.registry
+    }
+
+    /// Ready: a policy is loaded and discovery has synced once.
+    pub fn ready(&self) -> bool {
+        self.policy().current().is_some() && self.registry().synced()
+    }
+
+    /// Scrapes every endpoint's metrics until the handle is aborted.
+    pub fn spawn_scraper(&self) -> tokio::task::JoinHandle<()> {
+        spawn_scraper(
+            self.registry().clone(),
+            self.settings.scrape_interval,
+            self.settings.scrape_timeout,
+        )
+    }
+
+    /// Serves ext_proc on `listener` until `shutdown` resolves. In-flight
+    /// streams finish; new ones are refused.
+    pub async fn serve_ext_proc(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> anyhow::Result<()> {
+        let service = ExtProcService::new(self.picker.clone(), self.settings.ext_proc.clone());
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_service(service.into_server())
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .await?;
+        Ok(())
+    }
+
+    /// gRPC health (`grpc.health.v1`) for the reference EPP's service names;
+    /// `readiness` follows [`Epp::ready`].
+    pub async fn serve_health(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> anyhow::Result<()> {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        for name in std::iter::once("").chain(HEALTH_SERVICES.iter().copied()) {
+            if name != "readiness" {
+                reporter
+                    .set_service_status(name, ServingStatus::Serving)
+                    .await;
+            }
+        }
+        reporter
+            .set_service_status("readiness", ServingStatus::NotServing)
+            .await;
+        let epp = self.clone();
+        let watcher = tokio::spawn(async move {
+            let mut last = None;
+            loop {
+                let ready = epp.ready();
+                if last != Some(ready) {
+                    let status = if ready {
+                        ServingStatus::Serving
+                    } else {
+                        ServingStatus::NotServing
+                    };
+                    reporter.set_service_status("readiness", status).await;
+                    last = Some(ready);
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        let result = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .await;
+        watcher.abort();
+        Ok(result?)
+    }
+
+    /// `/metrics`, `/healthz`, `/readyz`, `/debug/explain`, `/debug/policy`.
+    pub async fn serve_http(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let app = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/debug/explain", get(explain))
+            .route("/debug/policy", get(policy))
+            .with_state(self.clone());
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        Ok(())
+    }
+
+    /// Reloads the policy file whenever its content changes (a mounted
+    /// ConfigMap updates by symlink swap, so compare content, not mtime).
+    pub fn watch_policy_file(&self, path: PathBuf, every: Duration) -> tokio::task::JoinHandle<()> {
+        let store = self.policy().clone();
+        tokio::spawn(async move {
+            let mut last: Option<String> = None;
+            loop {
+                match tokio::fs::read_to_string(&path).await {
+                    Ok(text) if last.as_deref() != Some(text.as_str()) => {
+                        let result = if path.extension().is_some_and(|e| e == "json") {
+                            store.load_json(&text)
+                        } else {
+                            store.load_text(&text)
+                        };
+                        match result {
+                            Ok(hash) => {
+                                tracing::info!(%hash, path = %path.display(), "policy loaded")
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, path = %path.display(), "policy refused")
+                            }
+                        }
+                        last = Some(text);
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, path = %path.display(), "cannot read the policy file")
+                    }
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+}
+
+/// Binds a loopback or wildcard address, for callers that need the port first.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    Ok(TcpListener::bind(addr).await?)
+}
+
+async fn metrics(State(epp): State<Epp>) -> impl IntoResponse {
+    let hash = epp.policy().loaded_hash();
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        epp.picker.metrics.render(epp.registry(), hash.as_deref()),
+    )
+}
+
+async fn readyz(State(epp): State<Epp>) -> impl IntoResponse {
+    if epp.ready() {
+        (StatusCode::OK, "ready".to_string())
+    } else {
+        let why = match (epp.policy().current().is_some(), epp.registry().synced()) {
+            (false, _) => "no policy loaded",
+            (true, false) => "endpoint discovery has not synced",
+            _ => "",
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, why.to_string())
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ExplainQuery {
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+fn default_limit() -> usize {
+    10
+}
+
+async fn explain(State(epp): State<Epp>, Query(q): Query<ExplainQuery>) -> impl IntoResponse {
+    axum::Json(epp.picker.recent.explain(q.limit.min(64)))
+}
+
+async fn policy(State(epp): State<Epp>) -> impl IntoResponse {
+    let state = epp.policy().state();
+    axum::Json(serde_json::json!({
+        "loadedHash": epp.policy().loaded_hash(),
+        "state": format!("{state:?}"),
+    }))
+}

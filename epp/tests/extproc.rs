@@ -1,0 +1,576 @@
+//! The EPP over real gRPC, driven with ext_proc messages as Envoy sends them,
+//! against simulated model servers serving real HTTP and Prometheus metrics.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kinference_epp::client::{EppClient, HttpRequest};
+use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::extproc::ExtProcConfig;
+use kinference_epp::server::{Epp, Settings};
+use kinference_simulator::{SimConfig, SimHandle};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+struct Harness {
+    epp: Epp,
+    addr: SocketAddr,
+    client: EppClient,
+    sims: Vec<SimHandle>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+const POOL: &str = "pool: { selector: { app: sim }, targetPorts: [{ number: 8000 }] }\n";
+
+async fn sim(name: &str, models: &[&str]) -> SimHandle {
+    let mut config = SimConfig::new(name, models.iter().copied());
+    config.time_scale = 0.05;
+    kinference_simulator::spawn(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+/// An EPP on loopback with `policy` over `sims` (their models as given).
+async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
+    let epp = Epp::new(Settings {
+        ext_proc: ExtProcConfig {
+            max_body_bytes: max_body,
+            conformance_hooks: true,
+        },
+        scrape_interval: Duration::from_millis(20),
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(&format!("{POOL}{policy}"))
+        .expect("policy compiles");
+    let specs = sims.iter().map(|s| {
+        let mut spec = EndpointSpec::new(
+            s.addr().to_string(),
+            &s.config()
+                .models
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        spec.name = Some(s.name().to_string());
+        spec.backend = Some("sim".into());
+        spec
+    });
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    epp.spawn_scraper();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = epp.clone();
+    tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    let client = EppClient::connect(addr).await.unwrap();
+    let harness = Harness {
+        epp,
+        addr,
+        client,
+        sims,
+        _stop: stop,
+    };
+    harness.wait_for_metrics().await;
+    harness
+}
+
+impl Harness {
+    async fn wait_for_metrics(&self) {
+        for _ in 0..200 {
+            if self
+                .epp
+                .registry()
+                .snapshot()
+                .iter()
+                .all(|v| v.metrics.is_some())
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("endpoints never got metrics");
+    }
+
+    fn addr_of(&self, i: usize) -> String {
+        self.sims[i].addr().to_string()
+    }
+}
+
+fn chat(model: &str, prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": model,
+        "messages": [{ "role": "user", "content": prompt }],
+        "max_tokens": 8
+    }))
+    .unwrap()
+}
+
+const LEAST_QUEUE: &str =
+    "rules:\n  - name: local\n    route: { select: [{ minimize: QueueDepth }] }\n";
+
+#[tokio::test]
+async fn local_pick_sets_header_and_lb_metadata() {
+    let h = start(
+        LEAST_QUEUE,
+        vec![sim("a", &["qwen"]).await, sim("b", &["qwen"]).await],
+        1 << 20,
+    )
+    .await;
+    let (outcome, _) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "hello"),
+        ))
+        .await
+        .unwrap();
+    let dest = outcome.destination().expect("a destination").to_string();
+    let first = dest.split(',').next().unwrap();
+    assert!(
+        [h.addr_of(0), h.addr_of(1)].contains(&first.to_string()),
+        "{dest}"
+    );
+    assert_eq!(
+        outcome.lb_metadata.get("x-gateway-destination-endpoint"),
+        Some(&dest)
+    );
+    assert_eq!(
+        outcome
+            .set_headers
+            .get("x-kinference-rule")
+            .map(String::as_str),
+        Some("local")
+    );
+    assert!(outcome.clear_route_cache);
+    assert!(
+        outcome.body.is_none(),
+        "no rewrite when the model is unchanged"
+    );
+    assert!(
+        outcome
+            .removed_headers
+            .contains(&"x-kinference-destination".to_string())
+    );
+}
+
+#[tokio::test]
+async fn streamed_mode_holds_headers_and_returns_the_body_in_chunks() {
+    let h = start(LEAST_QUEUE, vec![sim("a", &["qwen"]).await], 1 << 22).await;
+    let prompt = "x".repeat(200_000);
+    let body = chat("qwen", &prompt);
+    let request = HttpRequest::post("/v1/chat/completions", body.clone()).streamed(16_384);
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    for m in request.messages() {
+        tx.send(m).await.unwrap();
+    }
+    let mut raw = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::connect(format!("http://{}", h.addr))
+        .await
+        .unwrap()
+        .max_decoding_message_size(1 << 24);
+    let mut inbound = raw
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as R;
+    let first = inbound.message().await.unwrap().unwrap();
+    // The first answer is the held headers response, carrying the destination.
+    let Some(R::RequestHeaders(headers)) = &first.response else {
+        panic!("expected headers first, got {first:?}")
+    };
+    assert!(headers.response.as_ref().unwrap().clear_route_cache);
+    let mut replies = vec![first];
+    let mut reassembled = Vec::new();
+    loop {
+        let reply = inbound.message().await.unwrap().unwrap();
+        let Some(R::RequestBody(b)) = &reply.response else {
+            panic!("expected body chunks, got {reply:?}")
+        };
+        let Some(envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::StreamedResponse(chunk)) =
+            b.response.as_ref().unwrap().body_mutation.as_ref().unwrap().mutation.as_ref()
+        else {
+            panic!("expected a streamed body mutation")
+        };
+        assert!(
+            chunk.body.len() <= 62_000,
+            "chunk of {} bytes",
+            chunk.body.len()
+        );
+        reassembled.extend_from_slice(&chunk.body);
+        let end = chunk.end_of_stream;
+        replies.push(reply.clone());
+        if end {
+            break;
+        }
+    }
+    assert_eq!(reassembled, body);
+    let outcome = kinference_epp::client::Outcome::from_replies(&replies);
+    assert_eq!(outcome.destination(), Some(h.addr_of(0).as_str()));
+    drop(tx);
+}
+
+#[tokio::test]
+async fn model_rewrite_fixes_body_and_content_length() {
+    let policy = "rules:\n  - name: small\n    route:\n      consider: [{ models: { names: [gemma] } }]\n      select: [{ minimize: QueueDepth }]\n";
+    let h = start(
+        policy,
+        vec![sim("big", &["qwen"]).await, sim("small", &["gemma"]).await],
+        1 << 20,
+    )
+    .await;
+    for request in [
+        HttpRequest::post("/v1/chat/completions", chat("qwen", "hi")),
+        HttpRequest::post("/v1/chat/completions", chat("qwen", "hi")).streamed(7),
+    ] {
+        let (outcome, _) = h.client.decide(&request).await.unwrap();
+        assert_eq!(outcome.destination(), Some(h.addr_of(1).as_str()));
+        let body = outcome.body.expect("a rewritten body");
+        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(parsed["model"], "gemma");
+        assert_eq!(parsed["messages"][0]["content"], "hi");
+        assert_eq!(
+            outcome.set_headers.get("content-length"),
+            Some(&body.len().to_string())
+        );
+        assert_eq!(
+            outcome
+                .set_headers
+                .get("x-kinference-model")
+                .map(String::as_str),
+            Some("gemma")
+        );
+    }
+}
+
+#[tokio::test]
+async fn provider_pick_routes_by_header_with_credentials_and_mapped_model() {
+    let policy = "providers:\n  - name: openai\n    baseUrl: https://api.openai.test/v1\n    secretRef: { name: k }\n    models: [{ name: qwen, targetModel: gpt-4o-mini }]\nrules:\n  - name: overflow\n    route:\n      consider: [{ backends: { type: Provider } }]\n      select: [{ order: [openai] }]\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    h.epp.picker.provider_keys.store(Arc::new(
+        [("openai".to_string(), "sk-test".to_string())].into(),
+    ));
+    let (outcome, _) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "hi"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome
+            .set_headers
+            .get("x-kinference-destination")
+            .map(String::as_str),
+        Some("provider/openai")
+    );
+    assert_eq!(
+        outcome.set_headers.get("authorization").map(String::as_str),
+        Some("Bearer sk-test")
+    );
+    assert!(outcome.destination().is_none());
+    assert!(
+        outcome.clear_route_cache,
+        "the route cache must be cleared so the provider rule applies"
+    );
+    let body: serde_json::Value = serde_json::from_slice(&outcome.body.unwrap()).unwrap();
+    assert_eq!(body["model"], "gpt-4o-mini");
+}
+
+#[tokio::test]
+async fn reject_and_fall_through() {
+    let policy = "rules:\n  - name: premium\n    matches: [{ tenant: alice }]\n    route:\n      consider: [{ backends: { type: Local, names: [gold] } }]\n      select: [{ minimize: QueueDepth }]\n      onEmpty: FallThrough\n  - name: shed\n    matches: [{ tenant: alice }]\n    route:\n      exclude: [{ drop: { QueueDepth: { greaterThanOrEqual: 0 } } }]\n      select: [{ minimize: QueueDepth }]\n      reject: { status: 429, message: \"slow down\" }\n  - name: rest\n    route: { select: [{ minimize: QueueDepth }] }\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    let alice = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"))
+        .header("x-kinference-tenant", "alice");
+    let (outcome, _) = h.client.decide(&alice).await.unwrap();
+    // premium has no `gold` backend: it falls through to shed, which rejects.
+    let (status, body) = outcome.immediate.expect("an immediate response");
+    assert_eq!(status, 429);
+    let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(error["error"]["message"], "slow down");
+    assert_eq!(error["error"]["type"], "rate_limit_exceeded");
+    let (outcome, _) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "hi"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome
+            .set_headers
+            .get("x-kinference-rule")
+            .map(String::as_str),
+        Some("rest")
+    );
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_4xx_and_other_streams_keep_working() {
+    let h = start(LEAST_QUEUE, vec![sim("a", &["qwen"]).await], 4096).await;
+    let cases: Vec<(HttpRequest, u16, &str)> = vec![
+        (
+            HttpRequest::post("/v1/chat/completions", "model=qwen"),
+            400,
+            "not valid JSON",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", "[1]"),
+            400,
+            "JSON object",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", br#"{"messages":[]}"#.to_vec()),
+            400,
+            "no model",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", chat("qwen", &"y".repeat(5000))),
+            413,
+            "exceeds 4096 bytes",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", chat("qwen", &"y".repeat(5000)))
+                .streamed(1000),
+            413,
+            "exceeds",
+        ),
+        (
+            HttpRequest::post("/admin/delete", chat("qwen", "x")),
+            404,
+            "no inference API",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", Vec::new()),
+            400,
+            "no body",
+        ),
+        (
+            HttpRequest::post("/v1/chat/completions", chat("unknown-model", "x")),
+            503,
+            "no eligible endpoint",
+        ),
+    ];
+    for (request, status, text) in cases {
+        let (outcome, _) = h.client.decide(&request).await.unwrap();
+        let (got, body) = outcome
+            .immediate
+            .unwrap_or_else(|| panic!("expected {status} for {}", request.path));
+        let body = String::from_utf8(body).unwrap();
+        assert_eq!(got, status, "{body}");
+        assert!(body.contains(text), "{body} should mention {text:?}");
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(json["error"]["message"].is_string());
+    }
+    // A stream cut after half of its body must not disturb the EPP.
+    {
+        let request =
+            HttpRequest::post("/v1/chat/completions", chat("qwen", "partial")).streamed(10);
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let messages = request.messages();
+        for m in messages.iter().take(messages.len() / 2) {
+            tx.send(m.clone()).await.unwrap();
+        }
+        let mut raw = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::connect(format!("http://{}", h.addr)).await.unwrap();
+        let stream = raw
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap();
+        drop(tx);
+        drop(stream);
+    }
+    let (outcome, _) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "after"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(outcome.destination(), Some(h.addr_of(0).as_str()));
+}
+
+#[tokio::test]
+async fn subset_hint_restricts_endpoints_by_ip_and_port() {
+    let h = start(
+        LEAST_QUEUE,
+        vec![sim("a", &["qwen"]).await, sim("b", &["qwen"]).await],
+        1 << 20,
+    )
+    .await;
+    for _ in 0..5 {
+        let mut request = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
+        request.subset = Some(vec![h.addr_of(1)]);
+        let (outcome, _) = h.client.decide(&request).await.unwrap();
+        assert_eq!(outcome.destination(), Some(h.addr_of(1).as_str()));
+    }
+    // Same IP, another port: not eligible. Nothing eligible: 503.
+    let mut request = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
+    request.subset = Some(vec!["127.0.0.1:1".to_string()]);
+    let (outcome, _) = h.client.decide(&request).await.unwrap();
+    assert_eq!(outcome.status(), Some(503));
+}
+
+#[tokio::test]
+async fn dead_and_stale_endpoints_lose_their_metrics_and_leave_minimize_tiers() {
+    let h = start(
+        LEAST_QUEUE,
+        vec![
+            sim("a", &["qwen"]).await,
+            sim("b", &["qwen"]).await,
+            sim("c", &["qwen"]).await,
+        ],
+        1 << 20,
+    )
+    .await;
+    h.sims[0].kill();
+    h.sims[1].set_metrics_available(false);
+    // Staleness is 250ms at a 20ms scrape interval.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let snapshot = h.epp.registry().snapshot();
+    let stale: Vec<_> = snapshot
+        .iter()
+        .filter(|v| v.metrics.is_none())
+        .map(|v| v.endpoint.name.clone())
+        .collect();
+    assert_eq!(stale.len(), 2, "{stale:?}");
+    for _ in 0..10 {
+        let (outcome, _) = h
+            .client
+            .decide(&HttpRequest::post(
+                "/v1/chat/completions",
+                chat("qwen", "hi"),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(outcome.destination(), Some(h.addr_of(2).as_str()));
+    }
+}
+
+#[tokio::test]
+async fn response_path_calibrates_observed_ttft() {
+    let h = start(LEAST_QUEUE, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    let (outcome, mut stream) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "hi"),
+        ))
+        .await
+        .unwrap();
+    let served = outcome.destination().unwrap().to_string();
+    let reply = stream
+        .response_headers(200, Some(&served), Some(42.0))
+        .await
+        .unwrap();
+    // Conformance hooks are on in this harness: the served endpoint is echoed.
+    let headers = match reply.response {
+        Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ResponseHeaders(r)) => r,
+        other => panic!("expected a response-headers reply, got {other:?}"),
+    };
+    let set = headers
+        .response
+        .unwrap()
+        .header_mutation
+        .unwrap()
+        .set_headers;
+    assert_eq!(
+        set[0].header.as_ref().unwrap().key,
+        "x-conformance-test-served-endpoint"
+    );
+    stream.finish().await.unwrap();
+    let key = kinference_epp::predict::EndpointKey::from_addr(&served);
+    let observed = h
+        .epp
+        .picker
+        .stats
+        .observed_ttft(key, std::time::Instant::now())
+        .unwrap();
+    assert!(
+        (observed.as_secs_f64() - 0.042).abs() < 0.005,
+        "{observed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_hot_swap_under_load_fails_no_request() {
+    let h = Arc::new(
+        start(
+            LEAST_QUEUE,
+            vec![sim("a", &["qwen"]).await, sim("b", &["qwen"]).await],
+            1 << 20,
+        )
+        .await,
+    );
+    let v2 = format!(
+        "{POOL}rules:\n  - name: local-v2\n    route: {{ select: [{{ minimize: RunningRequests }}] }}\n"
+    );
+    let v1 = format!("{POOL}{LEAST_QUEUE}");
+    let swapper = {
+        let h = h.clone();
+        tokio::spawn(async move {
+            for i in 0..40 {
+                let text = if i % 2 == 0 { &v2 } else { &v1 };
+                h.epp.policy().load_text(text).unwrap();
+                // An invalid policy in between is refused and changes nothing.
+                assert!(
+                    h.epp
+                        .policy()
+                        .load_text("rules: [{ name: broken }]")
+                        .is_err()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            h.epp.policy().load_text(&v2).unwrap();
+        })
+    };
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let h = h.clone();
+        workers.push(tokio::spawn(async move {
+            let mut rules = Vec::new();
+            for i in 0..40 {
+                let request =
+                    HttpRequest::post("/v1/chat/completions", chat("qwen", &format!("w{w} r{i}")));
+                let (outcome, _) = h.client.decide(&request).await.expect("the stream works");
+                assert!(
+                    outcome.immediate.is_none(),
+                    "request failed during a swap: {outcome:?}"
+                );
+                rules.push(outcome.set_headers["x-kinference-rule"].clone());
+            }
+            rules
+        }));
+    }
+    swapper.await.unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for w in workers {
+        seen.extend(w.await.unwrap());
+    }
+    assert!(
+        seen.contains("local") && seen.contains("local-v2"),
+        "{seen:?}"
+    );
+    let (outcome, _) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "last"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(outcome.set_headers["x-kinference-rule"], "local-v2");
+}
