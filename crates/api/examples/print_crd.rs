@@ -1,3 +1,0 @@
-fn main() {
-    print!("{}", kinference_api::crd_yaml());
-}
