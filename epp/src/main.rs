@@ -52,6 +52,10 @@ struct Args {
     enable_conformance_hooks: bool,
     #[arg(long, default_value_t = 50)]
     scrape_interval_ms: u64,
+    /// Serve ext_proc over TLS with a self-signed certificate (the reference
+    /// EPP's default); `--secure-serving=false` for plaintext.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    secure_serving: bool,
     /// Log as JSON (default) or human-readable text.
     #[arg(long, default_value_t = false)]
     text_logs: bool,
@@ -67,6 +71,7 @@ async fn main() -> anyhow::Result<()> {
             conformance_hooks: args.enable_conformance_hooks,
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
+        secure_serving: args.secure_serving,
         ..Settings::default()
     });
     let mut background = Vec::new();

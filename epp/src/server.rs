@@ -35,6 +35,9 @@ pub struct Settings {
     pub picker: PickerConfig,
     pub scrape_interval: Duration,
     pub scrape_timeout: Duration,
+    /// Serve ext_proc over TLS with a self-signed certificate (ALPN h2), as
+    /// the reference EPP does by default; gateways skip verification.
+    pub secure_serving: bool,
 }
 
 impl Default for Settings {
@@ -44,6 +47,7 @@ impl Default for Settings {
             picker: PickerConfig::default(),
             scrape_interval: Duration::from_millis(50),
             scrape_timeout: Duration::from_millis(200),
+            secure_serving: false,
         }
     }
 }
@@ -100,7 +104,11 @@ impl Epp {
         shutdown: impl Future<Output = ()> + Send,
     ) -> anyhow::Result<()> {
         let service = ExtProcService::new(self.picker.clone(), self.settings.ext_proc.clone());
-        tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if self.settings.secure_serving {
+            builder = builder.tls_config(self_signed_tls()?)?;
+        }
+        builder
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .add_service(service.into_server())
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
@@ -203,6 +211,17 @@ impl Epp {
             }
         })
     }
+}
+
+/// A fresh self-signed certificate for the ext_proc port. Gateways talk to
+/// the EPP inside the cluster and do not verify it (as with the reference EPP);
+/// the point is an encrypted channel, not identity.
+fn self_signed_tls() -> anyhow::Result<tonic::transport::ServerTlsConfig> {
+    let names = vec!["kinference-epp".to_string(), "localhost".to_string()];
+    let cert = rcgen::generate_simple_self_signed(names)?;
+    let identity =
+        tonic::transport::Identity::from_pem(cert.cert.pem(), cert.signing_key.serialize_pem());
+    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
 }
 
 /// Binds a loopback or wildcard address, for callers that need the port first.

@@ -1,0 +1,990 @@
+//! The operator against a real API server (`kinference_e2e::cluster`: etcd and
+//! kube-apiserver with the upstream Gateway API and InferencePool CRDs, no
+//! kube-controller-manager, no kubelet). The operator runs in-process
+//! (`kinference_operator::spawn`).
+//!
+//! Because nothing else runs, the tests play the missing parts themselves:
+//! they write the EPP Deployment's status (availableReplicas) and create the
+//! EPP Pod, annotated with the policy hash it "loaded", as an EPP would.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
+use kinference_api::{
+    InferencePolicy, InferencePolicySpec, LOADED_HASH_ANNOTATION, POLICY_HASH_KEY, POLICY_KEY,
+    POLICY_LABEL,
+};
+use kinference_e2e::cluster::TestCluster;
+use kinference_operator::{Config, LeaderElectionConfig, Metrics, OperatorHandle, Requeue};
+use kinference_policy::PolicySpec;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
+    PatchParams, PostParams,
+};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::{Value, json};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const NS: &str = "team-a";
+
+// ---------------------------------------------------------------- helpers
+
+/// A cluster with the upstream CRDs and ours (`crds/`, which a test keeps
+/// equal to `kinference crds`).
+async fn start_cluster() -> Result<TestCluster> {
+    TestCluster::start().await
+}
+
+fn test_config(metrics: &Metrics) -> Config {
+    Config {
+        epp_image: "example.invalid/kinference/epp:test".into(),
+        requeue: Requeue {
+            resync: Duration::from_secs(60),
+            // Secrets and Gateways are not watched: notice them quickly.
+            pending: Duration::from_millis(500),
+            error: Duration::from_millis(500),
+        },
+        metrics: metrics.clone(),
+        ..Config::default()
+    }
+}
+
+fn start_operator(client: &Client) -> (OperatorHandle, Metrics) {
+    let metrics = Metrics::new();
+    (
+        kinference_operator::spawn(client.clone(), test_config(&metrics)),
+        metrics,
+    )
+}
+
+async fn create_namespace(client: &Client, name: &str) -> Result<()> {
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await?;
+    Ok(())
+}
+
+async fn create_secret(client: &Client, name: &str, key: &str) -> Result<()> {
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "stringData": {key: "sk-test"}
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    Ok(())
+}
+
+fn dynamic_api(
+    client: &Client,
+    group: &str,
+    version: &str,
+    kind: &str,
+    plural: &str,
+) -> Api<DynamicObject> {
+    let res =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
+    Api::namespaced_with(client.clone(), NS, &res)
+}
+
+fn pools(client: &Client) -> Api<DynamicObject> {
+    dynamic_api(
+        client,
+        "inference.networking.k8s.io",
+        "v1",
+        "InferencePool",
+        "inferencepools",
+    )
+}
+
+fn routes(client: &Client) -> Api<DynamicObject> {
+    dynamic_api(
+        client,
+        "gateway.networking.k8s.io",
+        "v1",
+        "HTTPRoute",
+        "httproutes",
+    )
+}
+
+fn tls_policies(client: &Client) -> Api<DynamicObject> {
+    dynamic_api(
+        client,
+        "gateway.networking.k8s.io",
+        "v1",
+        "BackendTLSPolicy",
+        "backendtlspolicies",
+    )
+}
+
+async fn create_gateway(client: &Client, name: &str) -> Result<()> {
+    let gw: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway",
+        "metadata": {"name": name},
+        "spec": {
+            "gatewayClassName": "example",
+            "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]
+        }
+    }))?;
+    dynamic_api(
+        client,
+        "gateway.networking.k8s.io",
+        "v1",
+        "Gateway",
+        "gateways",
+    )
+    .create(&PostParams::default(), &gw)
+    .await?;
+    Ok(())
+}
+
+/// Two providers (https and http with a port), a route on a Gateway, two rules.
+fn valid_spec() -> Value {
+    json!({
+        "pool": {
+            "selector": {"app": "vllm-llama"},
+            "targetPorts": [{"number": 8000}],
+            "models": [{"name": "llama-3-8b"}]
+        },
+        "route": {
+            "parentRefs": [{"name": "inference-gateway", "sectionName": "http"}],
+            "hostnames": ["llm.example.com"],
+            "pathPrefix": "/v1"
+        },
+        "providers": [
+            {
+                "name": "openai",
+                "baseUrl": "https://api.openai.com/v1",
+                "secretRef": {"name": "openai-key", "key": "apiKey"},
+                "models": [{"name": "gpt-4o-mini"}]
+            },
+            {
+                "name": "internal",
+                "baseUrl": "http://llm-proxy.corp.example:8080/v1",
+                "secretRef": {"name": "proxy-token"},
+                "models": [{"name": "llama-3-70b"}]
+            }
+        ],
+        "rules": [
+            {
+                "name": "to-providers",
+                "matches": [{"model": ["gpt-4o-mini", "llama-3-70b"]}],
+                "route": {
+                    "consider": [{"backends": {"type": "Provider"}}],
+                    "select": [{"type": "Provider", "minimize": "ErrorRate"}]
+                }
+            },
+            {"name": "default", "route": {"select": [{"minimize": "QueueDepth"}]}}
+        ]
+    })
+}
+
+fn policy(name: &str, spec: Value) -> Result<InferencePolicy> {
+    let spec: PolicySpec = serde_json::from_value(spec)?;
+    Ok(InferencePolicy::new(
+        name,
+        InferencePolicySpec { policy: spec },
+    ))
+}
+
+fn hash_of(spec: &Value) -> Result<String> {
+    let spec: PolicySpec = serde_json::from_value(spec.clone())?;
+    Ok(kinference_policy::compile(&spec)
+        .map_err(|e| anyhow!("{e}"))?
+        .hash)
+}
+
+/// Replaces the whole spec (GET + PUT, retried on conflicts with the
+/// operator's status writes); returns the new generation.
+async fn replace_spec(api: &Api<InferencePolicy>, name: &str, spec: Value) -> Result<i64> {
+    let spec: PolicySpec = serde_json::from_value(spec)?;
+    eventually(&format!("spec of {name} replaced"), async || {
+        let mut p = api.get(name).await?;
+        p.spec.policy = spec.clone();
+        match api.replace(name, &PostParams::default(), &p).await {
+            Ok(p) => Ok(Some(p.metadata.generation.context("generation")?)),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    })
+    .await
+}
+
+fn condition(policy: &InferencePolicy, type_: &str) -> Option<Condition> {
+    policy
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .cloned()
+}
+
+/// Polls `f` every 200 ms until it returns `Some`, or fails after
+/// [`TIMEOUT`] with the last observation.
+async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Result<Option<T>>) -> Result<T> {
+    let deadline = Instant::now() + TIMEOUT;
+    let mut last = String::new();
+    loop {
+        match f().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what} (last error: {last})");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `type_` has `status` for the policy's current generation.
+async fn wait_condition(
+    api: &Api<InferencePolicy>,
+    name: &str,
+    type_: &str,
+    status: &str,
+) -> Result<(InferencePolicy, Condition)> {
+    eventually(&format!("{name} {type_}={status}"), async || {
+        let p = api.get(name).await?;
+        let current = p.metadata.generation;
+        Ok(condition(&p, type_)
+            .filter(|c| c.status == status && c.observed_generation == current)
+            .map(|c| (p, c)))
+    })
+    .await
+}
+
+/// `Kind/name` -> resourceVersion of everything labelled for `policy`, plus
+/// the policy itself.
+async fn resource_versions(client: &Client, policy: &str) -> Result<BTreeMap<String, String>> {
+    let mut out = generated_versions(client, policy).await?;
+    let p = Api::<InferencePolicy>::namespaced(client.clone(), NS)
+        .get(policy)
+        .await?;
+    out.insert(
+        format!("InferencePolicy/{policy}"),
+        p.resource_version().unwrap_or_default(),
+    );
+    Ok(out)
+}
+
+/// Waits until the generated objects stop changing (two equal snapshots
+/// 1.5 s apart), so a following comparison measures only what comes after.
+async fn settled_versions(client: &Client, policy: &str) -> Result<BTreeMap<String, String>> {
+    let mut prev = resource_versions(client, policy).await?;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = resource_versions(client, policy).await?;
+        if now == prev {
+            return Ok(now);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "objects of {policy} keep changing: {prev:?} -> {now:?}"
+        );
+        prev = now;
+    }
+}
+
+/// Waits until the operator with `metrics` has finished `n` more successful
+/// reconciles than `start`.
+async fn wait_reconciles(metrics: &Metrics, start: u64, n: u64) -> Result<()> {
+    eventually("reconciles", async || {
+        Ok((metrics.reconciles("success") >= start + n).then_some(()))
+    })
+    .await
+}
+
+/// The EPP Pod a Deployment would create, annotated as an EPP that loaded
+/// `hash` would annotate itself.
+async fn create_epp_pod(client: &Client, policy: &str, hash: &str) -> Result<()> {
+    let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get(&format!("{policy}-epp"))
+        .await?;
+    let template = deployment.spec.context("spec")?.template;
+    let labels = template.metadata.and_then(|m| m.labels).unwrap_or_default();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {
+            "name": format!("{policy}-epp-7d9f8-x2x4q"),
+            "labels": labels,
+            "annotations": {LOADED_HASH_ANNOTATION: hash}
+        },
+        "spec": {"containers": [{"name": "epp", "image": "example.invalid/kinference/epp:test"}]}
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    Ok(())
+}
+
+async fn annotate_epp_pod(client: &Client, policy: &str, hash: &str) -> Result<()> {
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch(
+            &format!("{policy}-epp-7d9f8-x2x4q"),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {LOADED_HASH_ANNOTATION: hash}}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Plays the Deployment controller: one available replica.
+async fn make_epp_available(client: &Client, policy: &str) -> Result<()> {
+    Api::<Deployment>::namespaced(client.clone(), NS)
+        .patch_status(
+            &format!("{policy}-epp"),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1
+            }})),
+        )
+        .await?;
+    Ok(())
+}
+
+fn assert_owned(meta: &kube::api::ObjectMeta, policy: &InferencePolicy) {
+    let name = meta.name.clone().unwrap_or_default();
+    assert_eq!(
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(POLICY_LABEL))
+            .map(String::as_str),
+        Some(policy.name_any().as_str()),
+        "{name}: policy label"
+    );
+    let owners = meta.owner_references.clone().unwrap_or_default();
+    assert_eq!(owners.len(), 1, "{name}: {owners:?}");
+    let owner = &owners[0];
+    assert_eq!(owner.api_version, "kinference.io/v1alpha1", "{name}");
+    assert_eq!(owner.kind, "InferencePolicy", "{name}");
+    assert_eq!(owner.name, policy.name_any(), "{name}");
+    assert_eq!(Some(&owner.uid), policy.metadata.uid.as_ref(), "{name}");
+    assert_eq!(owner.controller, Some(true), "{name}");
+}
+
+async fn event_reasons(client: &Client, policy: &str) -> Result<Vec<String>> {
+    let events = Api::<Event>::namespaced(client.clone(), NS)
+        .list(&ListParams::default())
+        .await?;
+    Ok(events
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(policy))
+        .filter_map(|e| e.reason)
+        .collect())
+}
+
+// ------------------------------------------------------------------ tests
+
+#[tokio::test]
+async fn policy_lifecycle() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    create_secret(&client, "openai-key", "apiKey").await?;
+    let (operator, metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+
+    // --- A valid policy: every object, owned and labelled, right fields.
+    let created = policies
+        .create(&PostParams::default(), &policy("chat", valid_spec())?)
+        .await?;
+    let hash = hash_of(&valid_spec())?;
+    let (p, accepted) = wait_condition(&policies, "chat", "Accepted", "True").await?;
+    assert_eq!(accepted.reason, "Accepted");
+    assert_eq!(p.metadata.uid, created.metadata.uid);
+    let status = p.status.clone().context("status")?;
+    assert_eq!(status.observed_generation, p.metadata.generation);
+    assert_eq!(status.pool.as_deref(), Some("chat"));
+    assert_eq!(status.rules, Some(2));
+    assert_eq!(status.policy_hash.as_deref(), Some(hash.as_str()));
+
+    // The proxy-token Secret and the Gateway do not exist yet.
+    let refs = condition(&p, "ResolvedRefs").context("ResolvedRefs")?;
+    assert_eq!(
+        (refs.status.as_str(), refs.reason.as_str()),
+        ("False", "SecretNotFound"),
+        "{refs:?}"
+    );
+    assert!(refs.message.contains("proxy-token"), "{}", refs.message);
+    assert!(!refs.message.contains("openai-key"), "{}", refs.message);
+    assert!(
+        refs.message.contains("team-a/inference-gateway"),
+        "{}",
+        refs.message
+    );
+    let ready = condition(&p, "Ready").context("Ready")?;
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "EppUnavailable"),
+        "{ready:?}"
+    );
+
+    let pool = pools(&client).get("chat").await?;
+    assert_owned(&pool.metadata, &p);
+    assert_eq!(
+        pool.data["spec"],
+        json!({
+            // appProtocol, group and kind are the upstream schema's defaults.
+            "appProtocol": "http",
+            "selector": {"matchLabels": {"app": "vllm-llama"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {
+                "group": "", "kind": "Service", "name": "chat-epp",
+                "port": {"number": 9002}, "failureMode": "FailClose"
+            }
+        })
+    );
+
+    let route = routes(&client).get("chat").await?;
+    assert_owned(&route.metadata, &p);
+    let spec = &route.data["spec"];
+    assert_eq!(spec["hostnames"], json!(["llm.example.com"]));
+    assert_eq!(spec["parentRefs"][0]["name"], "inference-gateway");
+    assert_eq!(spec["parentRefs"][0]["sectionName"], "http");
+    let rules = spec["rules"].as_array().context("rules")?;
+    assert_eq!(rules.len(), 3, "{rules:#?}");
+    for (rule, provider, port) in [(&rules[0], "openai", 443), (&rules[1], "internal", 8080)] {
+        let m = &rule["matches"][0];
+        assert_eq!(m["path"], json!({"type": "PathPrefix", "value": "/v1"}));
+        assert_eq!(
+            m["headers"],
+            json!([{"name": "x-kinference-destination", "type": "Exact", "value": format!("provider/{provider}")}])
+        );
+        assert_eq!(
+            rule["backendRefs"][0]["name"],
+            format!("chat-provider-{provider}")
+        );
+        assert_eq!(rule["backendRefs"][0]["port"], port);
+    }
+    assert_eq!(rules[2]["matches"][0]["path"]["value"], "/v1");
+    assert_eq!(
+        rules[2]["backendRefs"][0]["group"],
+        "inference.networking.k8s.io"
+    );
+    assert_eq!(rules[2]["backendRefs"][0]["kind"], "InferencePool");
+    assert_eq!(rules[2]["backendRefs"][0]["name"], "chat");
+
+    let services: Api<Service> = Api::namespaced(client.clone(), NS);
+    for (name, host, port) in [
+        ("chat-provider-openai", "api.openai.com", 443),
+        ("chat-provider-internal", "llm-proxy.corp.example", 8080),
+    ] {
+        let svc = services.get(name).await?;
+        assert_owned(&svc.metadata, &p);
+        let spec = svc.spec.context("service spec")?;
+        assert_eq!(spec.type_.as_deref(), Some("ExternalName"), "{name}");
+        assert_eq!(spec.external_name.as_deref(), Some(host), "{name}");
+        assert_eq!(spec.ports.context("ports")?[0].port, port, "{name}");
+    }
+    let tls = tls_policies(&client).get("chat-provider-openai").await?;
+    assert_owned(&tls.metadata, &p);
+    assert_eq!(tls.data["spec"]["validation"]["hostname"], "api.openai.com");
+    assert!(
+        tls_policies(&client)
+            .get_opt("chat-provider-internal")
+            .await?
+            .is_none()
+    );
+
+    let epp_svc = services.get("chat-epp").await?;
+    assert_owned(&epp_svc.metadata, &p);
+    let ports = epp_svc.spec.context("spec")?.ports.context("ports")?;
+    assert_eq!(
+        (ports[0].port, ports[0].app_protocol.as_deref()),
+        (9002, Some("http2"))
+    );
+    assert_eq!(ports[1].port, 9090);
+
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("chat-policy")
+        .await?;
+    assert_owned(&cm.metadata, &p);
+    let data = cm.data.clone().context("data")?;
+    assert_eq!(data[POLICY_HASH_KEY], hash);
+    // The EPP compiles policy.json with the same library: same hash.
+    assert_eq!(hash_of(&serde_json::from_str(&data[POLICY_KEY])?)?, hash);
+
+    let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert_owned(&deployment.metadata, &p);
+    let pod_spec = deployment
+        .spec
+        .clone()
+        .context("spec")?
+        .template
+        .spec
+        .context("pod spec")?;
+    let container = &pod_spec.containers[0];
+    assert_eq!(
+        container.image.as_deref(),
+        Some("example.invalid/kinference/epp:test")
+    );
+    let args = container.args.clone().unwrap_or_default();
+    assert!(
+        args.contains(&"--policy-configmap=chat-policy".to_string()),
+        "{args:?}"
+    );
+    assert!(args.contains(&format!("--namespace={NS}")), "{args:?}");
+    assert_eq!(pod_spec.service_account_name.as_deref(), Some("chat-epp"));
+
+    let sa = Api::<ServiceAccount>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert_owned(&sa.metadata, &p);
+    let role = Api::<Role>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert_owned(&role.metadata, &p);
+    let secret_rule = role
+        .rules
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .find(|r| r.resources.as_deref() == Some(&["secrets".to_string()]))
+        .context("secrets rule")?;
+    assert_eq!(
+        secret_rule.resource_names,
+        Some(vec!["openai-key".into(), "proxy-token".into()])
+    );
+    let binding = Api::<RoleBinding>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert_owned(&binding.metadata, &p);
+    assert_eq!(binding.role_ref.name, "chat-epp");
+
+    // --- References appear: ResolvedRefs flips (Secrets and Gateways are
+    // polled, not watched).
+    create_secret(&client, "proxy-token", "apiKey").await?;
+    create_gateway(&client, "inference-gateway").await?;
+    let (_, refs) = wait_condition(&policies, "chat", "ResolvedRefs", "True").await?;
+    assert_eq!(refs.reason, "ResolvedRefs");
+
+    // --- Ready: the Deployment becomes available, then an EPP Pod reports
+    // the accepted hash.
+    make_epp_available(&client, "chat").await?;
+    let (_, ready) = eventually("Ready=False/PolicyNotLoaded", async || {
+        let p = policies.get("chat").await?;
+        Ok(condition(&p, "Ready")
+            .filter(|c| c.reason == "PolicyNotLoaded")
+            .map(|c| (p, c)))
+    })
+    .await?;
+    assert_eq!(ready.status, "False");
+    create_epp_pod(&client, "chat", &hash).await?;
+    let (_, ready) = wait_condition(&policies, "chat", "Ready", "True").await?;
+    assert_eq!(ready.reason, "Ready");
+    assert!(ready.message.contains(&hash[..12]), "{}", ready.message);
+
+    // --- A reconcile with nothing to change writes nothing: not the
+    // objects (server-side apply of identical content is a no-op that keeps
+    // resourceVersion) and not the status.
+    let before = settled_versions(&client, "chat").await?;
+    assert_eq!(before.len(), 12, "{before:#?}");
+    let start = metrics.reconciles("success");
+    // Touching the policy's metadata triggers a reconcile without a new
+    // generation.
+    let touched = policies
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"e2e/touch": "1"}}})),
+        )
+        .await?;
+    wait_reconciles(&metrics, start, 1).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut expected = before.clone();
+    expected.insert(
+        "InferencePolicy/chat".into(),
+        touched.resource_version().unwrap_or_default(),
+    );
+    assert_eq!(
+        resource_versions(&client, "chat").await?,
+        expected,
+        "a no-change reconcile wrote something"
+    );
+
+    // --- An invalid edit: Accepted=False with the path; the ConfigMap (and
+    // everything else) untouched, so the EPP keeps the last good policy.
+    let mut invalid = valid_spec();
+    invalid["rules"][1]["route"]["select"][0]["minimize"] = json!("Speed");
+    let invalid_spec: PolicySpec = serde_json::from_value(invalid.clone())?;
+    let expected_message = kinference_policy::compile(&invalid_spec)
+        .err()
+        .context("the invalid spec compiles")?
+        .prefixed("spec")
+        .to_string();
+    assert!(
+        expected_message.starts_with("spec.rules[1].route.select[0]"),
+        "{expected_message}"
+    );
+    let generation = replace_spec(&policies, "chat", invalid).await?;
+    let (p, accepted) = wait_condition(&policies, "chat", "Accepted", "False").await?;
+    assert_eq!(accepted.reason, "InvalidPolicy");
+    assert_eq!(accepted.message, expected_message);
+    assert_eq!(accepted.observed_generation, Some(generation));
+    let ready = condition(&p, "Ready").context("Ready")?;
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "InvalidPolicy")
+    );
+    assert!(
+        ready.message.contains(&format!(
+            "keeps serving the last accepted policy {}",
+            &hash[..12]
+        )),
+        "{}",
+        ready.message
+    );
+    let status = p.status.clone().context("status")?;
+    assert_eq!(status.policy_hash.as_deref(), Some(hash.as_str()));
+    assert_eq!(status.observed_generation, Some(generation));
+    let mut after = resource_versions(&client, "chat").await?;
+    after.remove("InferencePolicy/chat");
+    let mut objects_before = before.clone();
+    objects_before.remove("InferencePolicy/chat");
+    assert_eq!(
+        after, objects_before,
+        "an invalid policy changed generated objects"
+    );
+    let cm_now = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("chat-policy")
+        .await?;
+    assert_eq!(cm_now.data, cm.data);
+
+    // --- Fixed: accepted again, and Ready at once (the EPP never stopped
+    // serving this hash).
+    replace_spec(&policies, "chat", valid_spec()).await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+
+    // --- Remove a provider: its Service is deleted, its route rule is gone,
+    // the Role no longer names its Secret, the ConfigMap has the new policy.
+    let mut one_provider = valid_spec();
+    one_provider["providers"]
+        .as_array_mut()
+        .context("providers")?
+        .remove(1);
+    one_provider["rules"][0]["matches"] = json!([{"model": "gpt-4o-mini"}]);
+    let new_hash = hash_of(&one_provider)?;
+    replace_spec(&policies, "chat", one_provider).await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    eventually("provider Service deleted", async || {
+        Ok(services
+            .get_opt("chat-provider-internal")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await?;
+    let route = routes(&client).get("chat").await?;
+    let rules = route.data["spec"]["rules"]
+        .as_array()
+        .context("rules")?
+        .clone();
+    assert_eq!(rules.len(), 2, "{rules:#?}");
+    assert!(!serde_json::to_string(&rules)?.contains("provider/internal"));
+    let role = Api::<Role>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert!(!serde_json::to_string(&role.rules)?.contains("proxy-token"));
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("chat-policy")
+        .await?;
+    assert_eq!(cm.data.context("data")?[POLICY_HASH_KEY], new_hash);
+    // The EPP has not loaded the new hash yet.
+    let (p, _) = eventually("Ready=False/PolicyNotLoaded", async || {
+        let p = policies.get("chat").await?;
+        Ok(condition(&p, "Ready")
+            .filter(|c| c.reason == "PolicyNotLoaded")
+            .map(|c| (p, c)))
+    })
+    .await?;
+    assert_eq!(
+        p.status.context("status")?.policy_hash.as_deref(),
+        Some(new_hash.as_str())
+    );
+    annotate_epp_pod(&client, "chat", &new_hash).await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+
+    // --- Restart the operator: the new instance reconciles everything once
+    // and writes nothing.
+    operator.stop().await?;
+    let before = settled_versions(&client, "chat").await?;
+    let (operator, metrics) = start_operator(&client);
+    wait_reconciles(&metrics, 0, 1).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        resource_versions(&client, "chat").await?,
+        before,
+        "a restarted operator rewrote objects"
+    );
+
+    // --- Edited while the operator is down: it converges when it is back.
+    operator.stop().await?;
+    let mut v2 = valid_spec();
+    v2["route"]["pathPrefix"] = json!("/v2");
+    let v2_hash = hash_of(&v2)?;
+    let generation = replace_spec(&policies, "chat", v2).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let (p, _) = wait_condition(&policies, "chat", "Accepted", "True").await?;
+    assert_eq!(p.metadata.generation, Some(generation));
+    let route = routes(&client).get("chat").await?;
+    assert_eq!(
+        route.data["spec"]["rules"][2]["matches"][0]["path"]["value"],
+        "/v2"
+    );
+    assert_eq!(
+        route.data["spec"]["rules"].as_array().map(Vec::len),
+        Some(3)
+    );
+    eventually("provider Service re-created", async || {
+        Ok(services
+            .get_opt("chat-provider-internal")
+            .await?
+            .map(|_| ()))
+    })
+    .await?;
+    annotate_epp_pod(&client, "chat", &v2_hash).await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+
+    // Events were published for the state changes.
+    let reasons = event_reasons(&client, "chat").await?;
+    for reason in [
+        "Accepted",
+        "InvalidPolicy",
+        "Ready",
+        "ResolvedRefs",
+        "SecretNotFound",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r == reason),
+            "no {reason} event in {reasons:?}"
+        );
+    }
+
+    // --- Delete the policy. This harness has no kube-controller-manager,
+    // hence no garbage collector: the generated objects stay. What makes a
+    // real cluster delete them is their ownerReference to the policy with
+    // controller=true, asserted here on every generated object.
+    let uid = p.metadata.uid.clone();
+    policies.delete("chat", &DeleteParams::default()).await?;
+    eventually("policy deleted", async || {
+        Ok(policies.get_opt("chat").await?.is_none().then_some(()))
+    })
+    .await?;
+    let mut owned = 0;
+    for key in generated_versions(&client, "chat").await?.into_keys() {
+        let (kind, name) = key.split_once('/').context("key")?;
+        let owners = owner_refs(&client, kind, name).await?;
+        assert!(
+            owners
+                .iter()
+                .any(|o| Some(&o.uid) == uid.as_ref() && o.controller == Some(true)),
+            "{key}: {owners:?}"
+        );
+        owned += 1;
+    }
+    assert_eq!(owned, 11);
+    operator.stop().await?;
+    Ok(())
+}
+
+/// Every kind the operator generates, as `(kind, Api)`.
+fn generated_apis(client: &Client) -> Vec<(&'static str, Api<DynamicObject>)> {
+    vec![
+        ("ServiceAccount", erased::<ServiceAccount>(client)),
+        ("Role", erased::<Role>(client)),
+        ("RoleBinding", erased::<RoleBinding>(client)),
+        ("ConfigMap", erased::<ConfigMap>(client)),
+        ("Service", erased::<Service>(client)),
+        ("Deployment", erased::<Deployment>(client)),
+        ("InferencePool", pools(client)),
+        ("HTTPRoute", routes(client)),
+        ("BackendTLSPolicy", tls_policies(client)),
+    ]
+}
+
+/// `Kind/name` -> resourceVersion of everything labelled for `policy`.
+async fn generated_versions(client: &Client, policy: &str) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (kind, api) in generated_apis(client) {
+        let list = api
+            .list_metadata(&ListParams::default().labels(&format!("{POLICY_LABEL}={policy}")))
+            .await?;
+        for o in list.items {
+            out.insert(
+                format!("{kind}/{}", o.name_any()),
+                o.resource_version().unwrap_or_default(),
+            );
+        }
+    }
+    Ok(out)
+}
+
+fn erased<K: Resource<DynamicType = ()>>(client: &Client) -> Api<DynamicObject> {
+    Api::namespaced_with(client.clone(), NS, &ApiResource::erase::<K>(&()))
+}
+
+async fn owner_refs(client: &Client, kind: &str, name: &str) -> Result<Vec<OwnerReference>> {
+    let (_, api) = generated_apis(client)
+        .into_iter()
+        .find(|(k, _)| *k == kind)
+        .with_context(|| format!("unexpected kind {kind}"))?;
+    Ok(api
+        .get_metadata(name)
+        .await?
+        .metadata
+        .owner_references
+        .unwrap_or_default())
+}
+
+#[tokio::test]
+async fn keeps_reconciling_after_an_apiserver_restart() -> Result<()> {
+    let mut cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("before", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "before", "Accepted", "True").await?;
+
+    // A policy invalid from the start generates nothing at all, and says
+    // that nothing was ever accepted.
+    let mut invalid = valid_spec();
+    invalid["pool"]["targetPorts"] = json!([]);
+    policies
+        .create(&PostParams::default(), &policy("broken", invalid)?)
+        .await?;
+    let (p, accepted) = wait_condition(&policies, "broken", "Accepted", "False").await?;
+    assert!(
+        accepted.message.starts_with("spec.pool.targetPorts: "),
+        "{}",
+        accepted.message
+    );
+    let ready = condition(&p, "Ready").context("Ready")?;
+    assert!(
+        ready.message.ends_with("no policy has been accepted yet"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(p.status.context("status")?.policy_hash, None);
+    assert!(generated_versions(&client, "broken").await?.is_empty());
+
+    cluster.restart_apiserver().await?;
+
+    // The operator's watches reconnect: a policy created after the restart
+    // is reconciled, and so is an edit of the old one.
+    policies
+        .create(&PostParams::default(), &policy("after", valid_spec())?)
+        .await?;
+    // Within seconds: each watch reconnects on its own backoff (see
+    // `run_controller` in operator/src/runtime.rs).
+    let restarted = Instant::now();
+    wait_condition(&policies, "after", "Accepted", "True").await?;
+    assert!(
+        restarted.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        restarted.elapsed()
+    );
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("after-policy")
+        .await?;
+    assert_eq!(
+        cm.data.context("data")?[POLICY_HASH_KEY],
+        hash_of(&valid_spec())?
+    );
+    let mut edited = valid_spec();
+    edited["route"]["pathPrefix"] = json!("/edited");
+    let generation = replace_spec(&policies, "before", edited).await?;
+    let (p, _) = wait_condition(&policies, "before", "Accepted", "True").await?;
+    assert_eq!(p.metadata.generation, Some(generation));
+    assert!(!operator.is_finished());
+    operator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn only_the_leader_reconciles_and_hands_over_on_shutdown() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    create_namespace(&client, "kinference-system").await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kinference-system");
+    let holder = async || -> Result<Option<String>> {
+        Ok(leases
+            .get_opt("kinference-operator")
+            .await?
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity))
+    };
+    let elect = |identity: &str| LeaderElectionConfig {
+        lease_duration: Duration::from_secs(4),
+        retry_period: Duration::from_millis(300),
+        renew_deadline: Duration::from_secs(3),
+        ..LeaderElectionConfig::new("kinference-system", identity)
+    };
+    let start = |identity: &str| {
+        let metrics = Metrics::new();
+        let config = Config {
+            leader_election: Some(elect(identity)),
+            instance: Some(identity.to_string()),
+            ..test_config(&metrics)
+        };
+        (kinference_operator::spawn(client.clone(), config), metrics)
+    };
+
+    let (a, a_metrics) = start("operator-a");
+    eventually("a leads", async || {
+        Ok((holder().await?.as_deref() == Some("operator-a")).then_some(()))
+    })
+    .await?;
+    let (b, b_metrics) = start("operator-b");
+
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("first", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "first", "Accepted", "True").await?;
+    // Longer than a lease duration: the standby must not take over a Lease
+    // that is being renewed, nor reconcile.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(holder().await?.as_deref(), Some("operator-a"));
+    assert!(a_metrics.reconciles_total() > 0);
+    assert_eq!(b_metrics.reconciles_total(), 0);
+
+    // A graceful stop releases the Lease; the standby takes over at once
+    // (well before the lease duration would expire it).
+    a.stop().await?;
+    let released = Instant::now();
+    eventually("b leads", async || {
+        Ok((holder().await?.as_deref() == Some("operator-b")).then_some(()))
+    })
+    .await?;
+    assert!(
+        released.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        released.elapsed()
+    );
+    policies
+        .create(&PostParams::default(), &policy("second", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "second", "Accepted", "True").await?;
+    assert!(b_metrics.reconciles_total() > 0);
+    b.stop().await?;
+    Ok(())
+}

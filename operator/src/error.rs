@@ -1,0 +1,102 @@
+//! Reconcile errors. Each names the object it concerns, so a log line or an
+//! Event is enough to find it.
+
+use std::fmt;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API request failed.
+    #[error("{verb} {kind} {object}: {source}")]
+    Kube {
+        verb: Verb,
+        kind: String,
+        /// `namespace/name` (or `namespace` for lists).
+        object: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// The policy object lacks what only the API server sets.
+    #[error("InferencePolicy {0} has no namespace or uid; it must come from the API server")]
+    Incomplete(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    Get,
+    List,
+    Apply,
+    Delete,
+    PatchStatus,
+}
+
+impl fmt::Display for Verb {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verb::Get => "get",
+            Verb::List => "list",
+            Verb::Apply => "apply",
+            Verb::Delete => "delete",
+            Verb::PatchStatus => "patch status of",
+        })
+    }
+}
+
+impl Error {
+    pub fn kube(
+        verb: Verb,
+        kind: impl Into<String>,
+        object: impl Into<String>,
+        source: kube::Error,
+    ) -> Self {
+        Error::Kube {
+            verb,
+            kind: kind.into(),
+            object: object.into(),
+            source,
+        }
+    }
+
+    /// Low-cardinality label for the errors metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube { verb, .. } => match verb {
+                Verb::Get => "get",
+                Verb::List => "list",
+                Verb::Apply => "apply",
+                Verb::Delete => "delete",
+                Verb::PatchStatus => "status",
+            },
+            Error::Incomplete(_) => "incomplete_object",
+        }
+    }
+}
+
+/// The HTTP status of an API error, if the server answered.
+pub fn api_code(err: &kube::Error) -> Option<u16> {
+    match err {
+        kube::Error::Api(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_names_the_object() {
+        let e = Error::kube(
+            Verb::Apply,
+            "HTTPRoute",
+            "team-a/chat",
+            kube::Error::Api(Box::new(
+                kube::core::Status::failure("boom", "Invalid").with_code(422),
+            )),
+        );
+        assert!(
+            e.to_string().starts_with("apply HTTPRoute team-a/chat: "),
+            "{e}"
+        );
+        assert_eq!(e.metric_label(), "apply");
+    }
+}

@@ -1,0 +1,124 @@
+//! Server-side apply of generated objects, and deletion of the ones no
+//! longer wanted.
+//!
+//! Every apply uses one field manager with `force`, so the operator owns
+//! exactly the fields it sets and takes them back from anyone who edited
+//! them. An apply whose content is what the object already holds is a no-op
+//! in the API server: nothing is written and `resourceVersion` does not move
+//! (the e2e test `operator.rs` checks this), which is what lets every
+//! reconcile apply everything without a diff of its own.
+
+use std::collections::BTreeSet;
+
+use kinference_api::POLICY_LABEL;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
+};
+use kube::core::NamespaceResourceScope;
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+
+use crate::error::{Error, Verb, api_code};
+use crate::resources::FIELD_MANAGER;
+
+/// Applies `obj` (which carries its own name and namespace). Returns false
+/// when `optional` and the API server does not serve the kind (404 for the
+/// resource type), so an optional kind (BackendTLSPolicy) missing from a
+/// cluster does not stop the rest.
+pub async fn apply<K>(client: &Client, obj: &K, optional: bool) -> Result<bool, Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let ns = obj.meta().namespace.clone().unwrap_or_default();
+    // Sent and read back as a DynamicObject: the response then never fails
+    // to parse whatever status or defaults a third-party schema adds.
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    match api.patch(&name, &params, &Patch::Apply(obj)).await {
+        Ok(_) => Ok(true),
+        Err(e) if optional && is_missing_kind(&e) => {
+            tracing::warn!(kind = %K::kind(&()), %ns, %name, "kind not served by the API server; skipped");
+            Ok(false)
+        }
+        Err(e) => Err(Error::kube(
+            Verb::Apply,
+            kind_name::<K>(),
+            format!("{ns}/{name}"),
+            e,
+        )),
+    }
+}
+
+/// Deletes objects of kind `K` in `ns` labelled for `policy` and controlled
+/// by the policy's `uid` whose names are not in `keep`. Objects someone else
+/// labelled but the policy does not control are left alone. Returns the
+/// deleted names.
+pub async fn prune<K>(
+    client: &Client,
+    ns: &str,
+    policy: &str,
+    uid: &str,
+    keep: &BTreeSet<String>,
+    optional: bool,
+) -> Result<Vec<String>, Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
+{
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &ApiResource::erase::<K>(&()));
+    let params = ListParams::default().labels(&format!("{POLICY_LABEL}={policy}"));
+    let list = match api.list_metadata(&params).await {
+        Ok(list) => list,
+        Err(e) if optional && is_missing_kind(&e) => return Ok(Vec::new()),
+        Err(e) => return Err(Error::kube(Verb::List, kind_name::<K>(), ns.to_string(), e)),
+    };
+    let mut deleted = Vec::new();
+    for obj in list.items {
+        let name = obj.name_any();
+        let controlled = obj
+            .owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && o.uid == uid);
+        if !controlled || keep.contains(&name) || obj.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        // The uid precondition makes sure we delete the object we listed, not
+        // a namesake created meanwhile.
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: obj.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match api.delete(&name, &dp).await {
+            Ok(_) => {
+                tracing::info!(kind = %K::kind(&()), %ns, %name, "deleted object no longer wanted");
+                deleted.push(name);
+            }
+            // Already gone, or replaced by a namesake: nothing to do.
+            Err(e) if matches!(api_code(&e), Some(404 | 409)) => {}
+            Err(e) => {
+                return Err(Error::kube(
+                    Verb::Delete,
+                    kind_name::<K>(),
+                    format!("{ns}/{name}"),
+                    e,
+                ));
+            }
+        }
+    }
+    Ok(deleted)
+}
+
+fn is_missing_kind(e: &kube::Error) -> bool {
+    // A 404 from a PATCH/LIST with no object named in the details means the
+    // resource type itself is unknown (CRD not installed).
+    matches!(e, kube::Error::Api(s) if s.code == 404 && s.details.as_ref().is_none_or(|d| d.kind.is_empty() || d.name.is_empty()))
+}
+
+fn kind_name<K: Resource<DynamicType = ()>>() -> String {
+    K::kind(&()).into_owned()
+}

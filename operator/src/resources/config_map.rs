@@ -1,0 +1,67 @@
+//! The ConfigMap the EPP loads its policy from.
+//!
+//! `policy.json` is the validated source spec, not a compiled form: the EPP
+//! compiles it again with the same library, so there is no second wire format
+//! to keep in sync. It is compact JSON, i.e. exactly the bytes
+//! `kinference_policy::policy_hash` digests, so `policy.sha256` is both the
+//! hash of the spec and the SHA-256 of the `policy.json` text.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kinference_api::{InferencePolicy, POLICY_HASH_KEY, POLICY_KEY};
+use kinference_policy::CompiledPolicy;
+
+use super::{Names, object_meta};
+
+pub fn config_map(policy: &InferencePolicy, names: &Names, compiled: &CompiledPolicy) -> ConfigMap {
+    let json = serde_json::to_string(&compiled.source).expect("a policy spec always serializes");
+    ConfigMap {
+        metadata: object_meta(
+            policy,
+            &names.config_map(),
+            [(
+                "app.kubernetes.io/component".to_string(),
+                "policy".to_string(),
+            )],
+        ),
+        data: Some(BTreeMap::from([
+            (POLICY_KEY.to_string(), json),
+            (POLICY_HASH_KEY.to_string(), compiled.hash.clone()),
+        ])),
+        ..ConfigMap::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kinference_api::{POLICY_HASH_KEY, POLICY_KEY};
+    use kinference_policy::PolicySpec;
+    use sha2::{Digest, Sha256};
+
+    use crate::resources::desired;
+    use crate::resources::testing::*;
+
+    #[test]
+    fn round_trips_to_the_same_hash() {
+        let (policy, compiled) = example();
+        let cm = desired(&policy, &compiled, &settings()).config_map;
+        let data = cm.data.unwrap();
+        let spec: PolicySpec = serde_json::from_str(&data[POLICY_KEY]).unwrap();
+        let again = kinference_policy::compile(&spec).unwrap();
+        assert_eq!(again.hash, data[POLICY_HASH_KEY]);
+        assert_eq!(again.hash, compiled.hash);
+        let text_hash: String = Sha256::digest(data[POLICY_KEY].as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(text_hash, compiled.hash);
+    }
+
+    #[test]
+    fn snapshot() {
+        let (policy, compiled) = example();
+        let cm = desired(&policy, &compiled, &settings()).config_map;
+        insta::assert_yaml_snapshot!("config_map", cm);
+    }
+}

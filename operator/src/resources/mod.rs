@@ -1,0 +1,271 @@
+//! Builders for every object the operator generates from one accepted
+//! policy. Pure functions of (policy object, compiled policy, operator
+//! config): no I/O, so each builder is snapshot-tested beside its code and the
+//! reconciler only has to apply what [`desired`] returns.
+
+mod backend_tls_policy;
+mod config_map;
+mod deployment;
+mod epp_service;
+mod http_route;
+mod inference_pool;
+mod names;
+mod provider_service;
+mod role;
+mod role_binding;
+mod service_account;
+
+use std::collections::BTreeMap;
+
+use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
+use gateway_api::apis::standard::httproutes::HttpRoute;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kinference_api::{InferencePolicy, POLICY_LABEL};
+use kinference_policy::CompiledPolicy;
+use kube::{Resource, ResourceExt};
+
+pub use backend_tls_policy::backend_tls_policy;
+pub use config_map::config_map;
+pub use deployment::{EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, deployment, epp_selector};
+pub use epp_service::epp_service;
+pub use http_route::http_route;
+pub use inference_pool::{InferencePool, InferencePoolSpec, inference_pool};
+pub use names::{Names, validate_names};
+pub use provider_service::{ProviderEndpoint, provider_service};
+pub use role::role;
+pub use role_binding::role_binding;
+pub use service_account::service_account;
+
+/// Field manager of every server-side apply the operator sends.
+pub const FIELD_MANAGER: &str = "kinference-operator";
+/// Label naming the provider an ExternalName Service stands for.
+pub const PROVIDER_LABEL: &str = "kinference.io/provider";
+const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+const PART_OF: &str = "app.kubernetes.io/part-of";
+
+/// Operator settings the generated objects depend on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EppSettings {
+    pub image: String,
+    pub replicas: i32,
+}
+
+/// Everything one accepted policy turns into. Objects with a variable set of
+/// names (one per provider, or none without a route) are lists, so pruning
+/// can compare names.
+#[derive(Clone, Debug)]
+pub struct Desired {
+    pub service_account: ServiceAccount,
+    pub role: Role,
+    pub role_binding: RoleBinding,
+    pub config_map: ConfigMap,
+    pub epp_service: Service,
+    pub deployment: Deployment,
+    pub provider_services: Vec<Service>,
+    pub backend_tls_policies: Vec<BackendTlsPolicy>,
+    pub inference_pool: InferencePool,
+    /// None when the policy declares no Gateway to attach to: a route without
+    /// parentRefs would attach nowhere.
+    pub http_route: Option<HttpRoute>,
+}
+
+impl Desired {
+    /// Names of the Services the operator wants (EPP + providers).
+    pub fn service_names(&self) -> Vec<String> {
+        std::iter::once(&self.epp_service)
+            .chain(&self.provider_services)
+            .map(|s| s.name_any())
+            .collect()
+    }
+}
+
+/// Builds every object for `policy`, which must have a namespace and uid
+/// (it comes from the API server) and whose spec compiled to `compiled`.
+pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSettings) -> Desired {
+    let names = Names::of(policy);
+    let endpoints: Vec<(String, ProviderEndpoint)> = compiled
+        .providers
+        .iter()
+        .filter_map(|p| ProviderEndpoint::parse(&p.base_url).map(|e| (p.name.clone(), e)))
+        .collect();
+    Desired {
+        service_account: service_account(policy, &names),
+        role: role(policy, &names, compiled),
+        role_binding: role_binding(policy, &names),
+        config_map: config_map(policy, &names, compiled),
+        epp_service: epp_service(policy, &names),
+        deployment: deployment(policy, &names, epp),
+        provider_services: endpoints
+            .iter()
+            .map(|(name, e)| provider_service(policy, &names, name, e))
+            .collect(),
+        backend_tls_policies: endpoints
+            .iter()
+            .filter(|(_, e)| e.tls)
+            .map(|(name, e)| backend_tls_policy(policy, &names, name, e))
+            .collect(),
+        inference_pool: inference_pool(policy, &names, compiled),
+        http_route: (!compiled.route.parent_refs.is_empty())
+            .then(|| http_route(policy, &names, compiled, &endpoints)),
+    }
+}
+
+/// Labels every generated object carries; `POLICY_LABEL` is what watches and
+/// pruning select on.
+pub fn common_labels(policy_name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (POLICY_LABEL.to_string(), policy_name.to_string()),
+        (MANAGED_BY.to_string(), FIELD_MANAGER.to_string()),
+        (PART_OF.to_string(), "kinference".to_string()),
+    ])
+}
+
+/// Metadata of a generated object: name, the policy's namespace, common
+/// labels plus `extra`, and the policy as controlling owner so that deleting
+/// the policy garbage-collects it.
+pub fn object_meta(
+    policy: &InferencePolicy,
+    name: &str,
+    extra: impl IntoIterator<Item = (String, String)>,
+) -> ObjectMeta {
+    let mut labels = common_labels(&policy.name_any());
+    labels.extend(extra);
+    ObjectMeta {
+        name: Some(name.to_string()),
+        namespace: policy.namespace(),
+        labels: Some(labels),
+        owner_references: policy.controller_owner_ref(&()).map(|r| vec![r]),
+        ..ObjectMeta::default()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! One example policy with two providers, shared by the snapshot tests.
+
+    use kinference_api::{InferencePolicy, InferencePolicySpec};
+    use kinference_policy::{CompiledPolicy, PolicySpec};
+    use kube::api::ObjectMeta;
+
+    use super::EppSettings;
+
+    pub fn example_spec() -> PolicySpec {
+        serde_json::from_value(serde_json::json!({
+            "pool": {
+                "selector": {"app": "vllm-llama"},
+                "targetPorts": [{"number": 8000}],
+                "models": [{"name": "llama-3-8b"}]
+            },
+            "route": {
+                "parentRefs": [{"name": "inference-gateway", "namespace": "gateways", "sectionName": "https"}],
+                "hostnames": ["llm.example.com"],
+                "pathPrefix": "/v1"
+            },
+            "providers": [
+                {
+                    "name": "openai",
+                    "baseUrl": "https://api.openai.com/v1",
+                    "secretRef": {"name": "openai-key", "key": "apiKey"},
+                    "models": [{"name": "gpt-4o-mini"}]
+                },
+                {
+                    "name": "internal",
+                    "baseUrl": "http://llm-proxy.corp.example:8080/v1",
+                    "secretRef": {"name": "proxy-token"},
+                    "models": [{"name": "llama-3-70b"}]
+                }
+            ],
+            "rules": [
+                {"name": "big-to-provider", "matches": [{"model": "gpt-4o-mini"}],
+                 "route": {
+                     "consider": [{"models": {"names": ["gpt-4o-mini", "llama-3-70b"]}, "backends": {"type": "Provider"}}],
+                     "select": [{"type": "Provider", "order": ["openai", "internal"]}]
+                 }},
+                {"name": "default", "route": {"select": [{"minimize": "QueueDepth"}]}}
+            ]
+        }))
+        .expect("example policy parses")
+    }
+
+    pub fn example_policy(spec: PolicySpec) -> InferencePolicy {
+        let mut policy = InferencePolicy::new("chat", InferencePolicySpec { policy: spec });
+        policy.metadata = ObjectMeta {
+            name: Some("chat".into()),
+            namespace: Some("team-a".into()),
+            uid: Some("4c5f7c2e-0000-4000-8000-000000000001".into()),
+            generation: Some(3),
+            ..ObjectMeta::default()
+        };
+        policy
+    }
+
+    pub fn example() -> (InferencePolicy, CompiledPolicy) {
+        let spec = example_spec();
+        let compiled = kinference_policy::compile(&spec).expect("example policy compiles");
+        (example_policy(spec), compiled)
+    }
+
+    pub fn settings() -> EppSettings {
+        EppSettings {
+            image: "ghcr.io/kinference/epp:0.1.0".into(),
+            replicas: 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+
+    #[test]
+    fn every_object_is_labelled_and_controlled_by_the_policy() {
+        let (policy, compiled) = example();
+        let d = desired(&policy, &compiled, &settings());
+        let metas: Vec<&ObjectMeta> = vec![
+            &d.service_account.metadata,
+            &d.role.metadata,
+            &d.role_binding.metadata,
+            &d.config_map.metadata,
+            &d.epp_service.metadata,
+            &d.deployment.metadata,
+            &d.provider_services[0].metadata,
+            &d.provider_services[1].metadata,
+            &d.backend_tls_policies[0].metadata,
+            &d.inference_pool.metadata,
+            &d.http_route.as_ref().unwrap().metadata,
+        ];
+        for meta in metas {
+            let name = meta.name.as_deref().unwrap();
+            assert_eq!(meta.namespace.as_deref(), Some("team-a"), "{name}");
+            assert_eq!(
+                meta.labels.as_ref().unwrap()[POLICY_LABEL],
+                "chat",
+                "{name}"
+            );
+            let owners = meta.owner_references.as_ref().unwrap();
+            assert_eq!(owners.len(), 1, "{name}");
+            assert_eq!(owners[0].kind, "InferencePolicy");
+            assert_eq!(owners[0].uid, "4c5f7c2e-0000-4000-8000-000000000001");
+            assert_eq!(owners[0].controller, Some(true));
+        }
+        assert_eq!(
+            d.service_names(),
+            ["chat-epp", "chat-provider-openai", "chat-provider-internal"]
+        );
+        // Only the https provider needs TLS origination.
+        assert_eq!(d.backend_tls_policies.len(), 1);
+    }
+
+    #[test]
+    fn no_parent_refs_means_no_route() {
+        let mut spec = example_spec();
+        spec.route = None;
+        let compiled = kinference_policy::compile(&spec).unwrap();
+        let d = desired(&example_policy(spec), &compiled, &settings());
+        assert!(d.http_route.is_none());
+    }
+}

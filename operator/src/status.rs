@@ -1,0 +1,555 @@
+//! The one writer of `InferencePolicy.status`: what the conditions say, given
+//! what the reconciler observed. Pure (the reconciler does the I/O), so every
+//! combination is unit-tested here.
+//!
+//! Conventions (kstatus, which Argo CD and Flux use for health):
+//! `observedGeneration` on the status and on each condition; `Ready` is the
+//! summary condition; `lastTransitionTime` changes only when a condition's
+//! `status` changes, so a status that does not change is not rewritten.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kinference_api::{
+    CONDITION_ACCEPTED, CONDITION_READY, CONDITION_RESOLVED_REFS, InferencePolicyStatus,
+};
+
+pub const REASON_ACCEPTED: &str = "Accepted";
+pub const REASON_INVALID_POLICY: &str = "InvalidPolicy";
+pub const REASON_RESOLVED_REFS: &str = "ResolvedRefs";
+pub const REASON_SECRET_NOT_FOUND: &str = "SecretNotFound";
+pub const REASON_GATEWAY_NOT_FOUND: &str = "GatewayNotFound";
+pub const REASON_READY: &str = "Ready";
+pub const REASON_EPP_UNAVAILABLE: &str = "EppUnavailable";
+pub const REASON_POLICY_NOT_LOADED: &str = "PolicyNotLoaded";
+
+/// Condition messages are capped by the API (32 KiB); stay well below.
+const MAX_MESSAGE: usize = 16 * 1024;
+/// Event notes are capped at 1 kB.
+const MAX_NOTE: usize = 1000;
+
+/// Whether the current generation compiled.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Acceptance {
+    Accepted {
+        hash: String,
+        rules: usize,
+        providers: usize,
+        pool: String,
+    },
+    /// Every error as `path: message`.
+    Rejected { errors: Vec<String> },
+}
+
+/// References that do not resolve, as names to show users.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RefReport {
+    pub namespace: String,
+    /// `name` or `name (key k)` when the Secret exists without the key.
+    pub missing_secrets: Vec<String>,
+    /// `namespace/name` of Gateways.
+    pub missing_gateways: Vec<String>,
+}
+
+/// What the EPP Deployment and its Pods report.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EppReport {
+    pub deployment: String,
+    pub available_replicas: i32,
+    /// `kinference.io/loaded-policy-hash` of each live EPP Pod.
+    pub loaded_hashes: BTreeSet<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observation {
+    pub generation: Option<i64>,
+    pub acceptance: Acceptance,
+    pub refs: RefReport,
+    pub epp: EppReport,
+    /// Hash held by the policy ConfigMap (the last accepted policy), read
+    /// when the current generation is rejected.
+    pub configured_hash: Option<String>,
+}
+
+/// The status to write for `obs`, keeping transition times from `prev`.
+pub fn compute(
+    prev: Option<&InferencePolicyStatus>,
+    obs: &Observation,
+    now: Timestamp,
+) -> InferencePolicyStatus {
+    let generation = obs.generation;
+    let (accepted, pool, rules, policy_hash) = match &obs.acceptance {
+        Acceptance::Accepted {
+            hash,
+            rules,
+            providers,
+            pool,
+        } => (
+            (
+                true,
+                REASON_ACCEPTED,
+                format!(
+                    "policy compiled: {rules} rule{}, {providers} provider{}; hash {}",
+                    plural(*rules),
+                    plural(*providers),
+                    short(hash)
+                ),
+            ),
+            Some(pool.clone()),
+            Some(i32::try_from(*rules).unwrap_or(i32::MAX)),
+            Some(hash.clone()),
+        ),
+        // pool, rules and policyHash keep describing the last accepted policy,
+        // which is what the EPP keeps serving.
+        Acceptance::Rejected { errors } => (
+            (
+                false,
+                REASON_INVALID_POLICY,
+                truncate(&errors.join("; "), MAX_MESSAGE),
+            ),
+            prev.and_then(|p| p.pool.clone()),
+            prev.and_then(|p| p.rules),
+            prev.and_then(|p| p.policy_hash.clone())
+                .or_else(|| obs.configured_hash.clone()),
+        ),
+    };
+
+    let refs = &obs.refs;
+    let resolved = if refs.missing_secrets.is_empty() && refs.missing_gateways.is_empty() {
+        (
+            true,
+            REASON_RESOLVED_REFS,
+            "all referenced Secrets and Gateways exist".to_string(),
+        )
+    } else {
+        let mut parts = Vec::new();
+        if !refs.missing_secrets.is_empty() {
+            parts.push(format!(
+                "Secret{} not found in namespace {}: {}",
+                plural(refs.missing_secrets.len()),
+                refs.namespace,
+                refs.missing_secrets.join(", ")
+            ));
+        }
+        if !refs.missing_gateways.is_empty() {
+            parts.push(format!(
+                "Gateway{} not found: {}",
+                plural(refs.missing_gateways.len()),
+                refs.missing_gateways.join(", ")
+            ));
+        }
+        let reason = if refs.missing_secrets.is_empty() {
+            REASON_GATEWAY_NOT_FOUND
+        } else {
+            REASON_SECRET_NOT_FOUND
+        };
+        (false, reason, parts.join("; "))
+    };
+
+    let epp = &obs.epp;
+    let serving = |hash: &str| epp.available_replicas >= 1 && epp.loaded_hashes.contains(hash);
+    let ready = match &obs.acceptance {
+        Acceptance::Accepted { hash, .. } if epp.available_replicas < 1 => (
+            false,
+            REASON_EPP_UNAVAILABLE,
+            format!(
+                "EPP Deployment {} has no available replica; policy {} is not served yet",
+                epp.deployment,
+                short(hash)
+            ),
+        ),
+        Acceptance::Accepted { hash, .. } if serving(hash) => (
+            true,
+            REASON_READY,
+            format!("EPP {} serves policy {}", epp.deployment, short(hash)),
+        ),
+        Acceptance::Accepted { hash, .. } => (
+            false,
+            REASON_POLICY_NOT_LOADED,
+            format!(
+                "no EPP Pod of {} reports policy {} as loaded yet{}",
+                epp.deployment,
+                short(hash),
+                loaded_suffix(&epp.loaded_hashes)
+            ),
+        ),
+        Acceptance::Rejected { .. } => {
+            let mut message =
+                "this generation of the policy is invalid (see the Accepted condition)".to_string();
+            match policy_hash.as_deref() {
+                Some(last) if serving(last) => message.push_str(&format!(
+                    "; the EPP keeps serving the last accepted policy {}",
+                    short(last)
+                )),
+                Some(last) => message.push_str(&format!(
+                    "; the last accepted policy {} stays configured, but the EPP does not serve it",
+                    short(last)
+                )),
+                None => message.push_str("; no policy has been accepted yet"),
+            }
+            (false, REASON_INVALID_POLICY, message)
+        }
+    };
+
+    let conditions = [
+        (CONDITION_ACCEPTED, accepted),
+        (CONDITION_RESOLVED_REFS, resolved),
+        (CONDITION_READY, ready),
+    ]
+    .into_iter()
+    .map(|(type_, (ok, reason, message))| {
+        let status = if ok { "True" } else { "False" };
+        let since = condition(prev, type_)
+            .filter(|c| c.status == status)
+            .map(|c| c.last_transition_time.clone())
+            // Whole seconds: that is all the API stores, so a time we write
+            // compares equal to the one we read back.
+            .unwrap_or_else(|| Time(Timestamp::from_second(now.as_second()).unwrap_or(now)));
+        Condition {
+            type_: type_.to_string(),
+            status: status.to_string(),
+            reason: reason.to_string(),
+            message,
+            observed_generation: generation,
+            last_transition_time: since,
+        }
+    })
+    .collect();
+
+    InferencePolicyStatus {
+        observed_generation: generation,
+        conditions,
+        pool,
+        rules,
+        policy_hash,
+    }
+}
+
+pub fn condition<'a>(
+    status: Option<&'a InferencePolicyStatus>,
+    type_: &str,
+) -> Option<&'a Condition> {
+    status?.conditions.iter().find(|c| c.type_ == type_)
+}
+
+pub fn is_true(status: Option<&InferencePolicyStatus>, type_: &str) -> bool {
+    condition(status, type_).is_some_and(|c| c.status == "True")
+}
+
+/// A Kubernetes Event to publish for a state change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatusEvent {
+    pub warning: bool,
+    pub reason: String,
+    pub note: String,
+}
+
+/// Events for the changes from `prev` to `next`: a policy accepted (or a new
+/// accepted hash), rejected (or rejected differently), references broken or
+/// fixed, Ready gained or lost. Nothing when nothing changed, so periodic
+/// reconciles stay silent.
+pub fn events(
+    prev: Option<&InferencePolicyStatus>,
+    next: &InferencePolicyStatus,
+) -> Vec<StatusEvent> {
+    let mut out = Vec::new();
+    let changed = |type_: &str| {
+        let (a, b) = (condition(prev, type_), condition(Some(next), type_));
+        a.map(|c| (&c.status, &c.reason, &c.message))
+            != b.map(|c| (&c.status, &c.reason, &c.message))
+    };
+    let flipped = |type_: &str| {
+        condition(prev, type_).map(|c| &c.status) != condition(Some(next), type_).map(|c| &c.status)
+    };
+    let mut push = |c: &Condition| {
+        out.push(StatusEvent {
+            warning: c.status != "True",
+            reason: c.reason.clone(),
+            note: truncate(&c.message, MAX_NOTE),
+        })
+    };
+    if let Some(c) = condition(Some(next), CONDITION_ACCEPTED) {
+        let new_hash = prev.and_then(|p| p.policy_hash.as_ref()) != next.policy_hash.as_ref();
+        if (c.status == "True" && (flipped(CONDITION_ACCEPTED) || new_hash))
+            || (c.status != "True" && changed(CONDITION_ACCEPTED))
+        {
+            push(c);
+        }
+    }
+    if let Some(c) = condition(Some(next), CONDITION_RESOLVED_REFS) {
+        let was_false =
+            condition(prev, CONDITION_RESOLVED_REFS).is_some_and(|p| p.status != "True");
+        if (c.status != "True" && changed(CONDITION_RESOLVED_REFS))
+            || (c.status == "True" && was_false)
+        {
+            push(c);
+        }
+    }
+    if let Some(c) = condition(Some(next), CONDITION_READY) {
+        let was_true = is_true(prev, CONDITION_READY);
+        if (c.status == "True" && flipped(CONDITION_READY)) || (c.status != "True" && was_true) {
+            push(c);
+        }
+    }
+    out
+}
+
+fn short(hash: &str) -> &str {
+    hash.get(..12).unwrap_or(hash)
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+fn loaded_suffix(loaded: &BTreeSet<String>) -> String {
+    if loaded.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<&str> = loaded.iter().map(|h| short(h)).collect();
+        format!(" (loaded: {})", list.join(", "))
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HASH: &str = "0123456789abcdef0123456789abcdef";
+    const OLD: &str = "fedcba9876543210fedcba9876543210";
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_750_000_000 + s).unwrap()
+    }
+
+    fn accepted() -> Acceptance {
+        Acceptance::Accepted {
+            hash: HASH.into(),
+            rules: 2,
+            providers: 1,
+            pool: "chat".into(),
+        }
+    }
+
+    fn obs(acceptance: Acceptance, available: i32, loaded: &[&str]) -> Observation {
+        Observation {
+            generation: Some(4),
+            acceptance,
+            refs: RefReport {
+                namespace: "team-a".into(),
+                ..RefReport::default()
+            },
+            epp: EppReport {
+                deployment: "chat-epp".into(),
+                available_replicas: available,
+                loaded_hashes: loaded.iter().map(|s| s.to_string()).collect(),
+            },
+            configured_hash: None,
+        }
+    }
+
+    fn cond<'a>(s: &'a InferencePolicyStatus, type_: &str) -> &'a Condition {
+        condition(Some(s), type_).unwrap()
+    }
+
+    #[test]
+    fn accepted_and_ready() {
+        let s = compute(None, &obs(accepted(), 1, &[HASH]), t(0));
+        assert_eq!(s.observed_generation, Some(4));
+        assert_eq!(s.pool.as_deref(), Some("chat"));
+        assert_eq!(s.rules, Some(2));
+        assert_eq!(s.policy_hash.as_deref(), Some(HASH));
+        let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["Accepted", "ResolvedRefs", "Ready"]);
+        for c in &s.conditions {
+            assert_eq!(
+                (c.status.as_str(), c.observed_generation),
+                ("True", Some(4)),
+                "{c:?}"
+            );
+        }
+        assert_eq!(cond(&s, "Accepted").reason, "Accepted");
+        assert_eq!(
+            cond(&s, "Accepted").message,
+            "policy compiled: 2 rules, 1 provider; hash 0123456789ab"
+        );
+        assert_eq!(
+            cond(&s, "Ready").message,
+            "EPP chat-epp serves policy 0123456789ab"
+        );
+        assert_eq!(cond(&s, "Ready").last_transition_time, Time(t(0)));
+    }
+
+    #[test]
+    fn ready_waits_for_availability_then_the_hash() {
+        let s = compute(None, &obs(accepted(), 0, &[HASH]), t(0));
+        assert_eq!(cond(&s, "Ready").reason, "EppUnavailable");
+        assert_eq!(cond(&s, "Ready").status, "False");
+        let s = compute(Some(&s), &obs(accepted(), 1, &[OLD]), t(5));
+        assert_eq!(cond(&s, "Ready").reason, "PolicyNotLoaded");
+        assert!(cond(&s, "Ready").message.contains("(loaded: fedcba987654)"));
+        // Still False: the transition time is kept.
+        assert_eq!(cond(&s, "Ready").last_transition_time, Time(t(0)));
+        let s = compute(Some(&s), &obs(accepted(), 1, &[OLD, HASH]), t(9));
+        assert_eq!(cond(&s, "Ready").status, "True");
+        assert_eq!(cond(&s, "Ready").last_transition_time, Time(t(9)));
+    }
+
+    #[test]
+    fn unchanged_observation_gives_an_identical_status() {
+        let first = compute(None, &obs(accepted(), 1, &[HASH]), t(0));
+        let again = compute(Some(&first), &obs(accepted(), 1, &[HASH]), t(60));
+        assert_eq!(first, again);
+        assert!(events(Some(&first), &again).is_empty());
+    }
+
+    #[test]
+    fn rejection_keeps_the_served_policy_in_status() {
+        let good = compute(None, &obs(accepted(), 1, &[HASH]), t(0));
+        let rejected = Acceptance::Rejected {
+            errors: vec![
+                "spec.rules[1].route.select[0]: unknown objective \"Speed\"".into(),
+                "spec.providers[0].models: a provider needs at least one model it serves".into(),
+            ],
+        };
+        let mut o = obs(rejected, 1, &[HASH]);
+        o.generation = Some(5);
+        let bad = compute(Some(&good), &o, t(30));
+        let accepted = cond(&bad, "Accepted");
+        assert_eq!(
+            (accepted.status.as_str(), accepted.reason.as_str()),
+            ("False", "InvalidPolicy")
+        );
+        assert_eq!(
+            accepted.message,
+            "spec.rules[1].route.select[0]: unknown objective \"Speed\"; \
+             spec.providers[0].models: a provider needs at least one model it serves"
+        );
+        assert_eq!(accepted.observed_generation, Some(5));
+        let ready = cond(&bad, "Ready");
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "InvalidPolicy")
+        );
+        assert!(
+            ready
+                .message
+                .ends_with("the EPP keeps serving the last accepted policy 0123456789ab"),
+            "{}",
+            ready.message
+        );
+        assert_eq!(bad.policy_hash.as_deref(), Some(HASH));
+        assert_eq!(bad.rules, Some(2));
+        assert_eq!(bad.observed_generation, Some(5));
+
+        let ev = events(Some(&good), &bad);
+        assert_eq!(
+            ev.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
+            ["InvalidPolicy", "InvalidPolicy"]
+        );
+        assert!(ev.iter().all(|e| e.warning));
+    }
+
+    #[test]
+    fn rejection_without_history() {
+        let o = obs(
+            Acceptance::Rejected {
+                errors: vec!["spec.pool.selector: x".into()],
+            },
+            0,
+            &[],
+        );
+        let s = compute(None, &o, t(0));
+        assert!(
+            cond(&s, "Ready")
+                .message
+                .ends_with("no policy has been accepted yet")
+        );
+        assert_eq!(s.policy_hash, None);
+        // The ConfigMap still holds an older accepted policy (e.g. status lost).
+        let mut o = o;
+        o.configured_hash = Some(OLD.into());
+        let s = compute(None, &o, t(0));
+        assert_eq!(s.policy_hash.as_deref(), Some(OLD));
+        assert!(
+            cond(&s, "Ready")
+                .message
+                .contains("stays configured, but the EPP does not serve it")
+        );
+    }
+
+    #[test]
+    fn missing_refs_are_named() {
+        let mut o = obs(accepted(), 1, &[HASH]);
+        o.refs.missing_secrets = vec!["openai-key".into(), "proxy-token (key apiKey)".into()];
+        o.refs.missing_gateways = vec!["gateways/inference-gateway".into()];
+        let s = compute(None, &o, t(0));
+        let c = cond(&s, "ResolvedRefs");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "SecretNotFound")
+        );
+        assert_eq!(
+            c.message,
+            "Secrets not found in namespace team-a: openai-key, proxy-token (key apiKey); \
+             Gateway not found: gateways/inference-gateway"
+        );
+        o.refs.missing_secrets.clear();
+        let s = compute(None, &o, t(0));
+        assert_eq!(cond(&s, "ResolvedRefs").reason, "GatewayNotFound");
+    }
+
+    #[test]
+    fn events_on_transitions_only() {
+        let pending = compute(None, &obs(accepted(), 0, &[]), t(0));
+        let ev = events(None, &pending);
+        assert_eq!(
+            ev.iter()
+                .map(|e| (e.reason.as_str(), e.warning))
+                .collect::<Vec<_>>(),
+            [("Accepted", false)]
+        );
+        let ready = compute(Some(&pending), &obs(accepted(), 1, &[HASH]), t(1));
+        let ev = events(Some(&pending), &ready);
+        assert_eq!(
+            ev.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
+            ["Ready"]
+        );
+        let lost = compute(Some(&ready), &obs(accepted(), 0, &[HASH]), t(2));
+        let ev = events(Some(&ready), &lost);
+        assert_eq!(
+            ev.iter()
+                .map(|e| (e.reason.as_str(), e.warning))
+                .collect::<Vec<_>>(),
+            [("EppUnavailable", true)]
+        );
+        let mut broken = obs(accepted(), 1, &[HASH]);
+        broken.refs.missing_secrets = vec!["k".into()];
+        let b = compute(Some(&ready), &broken, t(3));
+        assert_eq!(events(Some(&ready), &b)[0].reason, "SecretNotFound");
+        let fixed = compute(Some(&b), &obs(accepted(), 1, &[HASH]), t(4));
+        assert_eq!(events(Some(&b), &fixed)[0].reason, "ResolvedRefs");
+    }
+
+    #[test]
+    fn long_messages_are_truncated_on_char_boundaries() {
+        let s = truncate(&"é".repeat(1000), 11);
+        assert_eq!(s, "éééé...");
+        let errors = vec!["x".repeat(MAX_MESSAGE * 2)];
+        let st = compute(None, &obs(Acceptance::Rejected { errors }, 0, &[]), t(0));
+        assert!(cond(&st, "Accepted").message.len() <= MAX_MESSAGE);
+        assert!(events(None, &st).iter().all(|e| e.note.len() <= MAX_NOTE));
+    }
+}
