@@ -1,0 +1,1124 @@
+//! Load test of the ext_proc decision path over real gRPC on loopback:
+//! in-process client tasks play Envoy (one ext_proc stream per HTTP request)
+//! against (i) a trivial ext_proc server in this file that buffers the body
+//! and always answers the same endpoint — the cost of gRPC + ext_proc alone —
+//! and (ii) the real EPP with `examples/pii-stays-local.yaml` (pii classifier,
+//! prefix-aware `minimize: PredictedTTFT`) over 50 endpoints whose metrics
+//! are refreshed every 50 ms, as the scraper would.
+//!
+//! `cargo bench -p kinference-epp --bench extproc_load [-- normal|large]`
+//!
+//! Scenarios: (a) ~1.5 KB chat bodies, 64 concurrent streams; (c) 220 KB
+//! prompts (16 groups sharing a 150 KB prefix, unique 70 KB tails), 150
+//! concurrent streams. Each runs in `BUFFERED` and in `FULL_DUPLEX_STREAMED`
+//! mode (62,000-byte chunks, as Envoy sends them).
+//!
+//! Knobs (environment): `LOAD_NORMAL_REQUESTS` (20000), `LOAD_NORMAL_CONCURRENCY`
+//! (64), `LOAD_LARGE_REQUESTS` (3000), `LOAD_LARGE_CONCURRENCY` (150),
+//! `LOAD_CONNECTIONS` (4 gRPC connections, like Envoy's per-worker
+//! connections), `LOAD_MAX_SECS` (60, per phase), `LOAD_SERVER_THREADS` (2),
+//! `LOAD_CLIENT_THREADS` (2), `LOAD_PHASES` (all; e.g. `epp-large-streamed`
+//! runs only the phases whose label contains it, for profiling).
+//!
+//! Client and servers share the machine's cores, so absolute numbers are
+//! pessimistic; compare the EPP with the floor measured in the same run.
+//! Server CPU per request (from the server runtime threads' schedstat) is the
+//! least load-generator-sensitive figure.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+    HttpHeaders, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    body_mutation, processing_request::Request as Msg, processing_response::Response as Reply,
+};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use kinference_epp::client::{BodyMode, HttpRequest};
+use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics, endpoints_from_specs};
+use kinference_epp::extproc::{
+    DESTINATION_ENDPOINT, LB_NAMESPACE, OBSERVED_TTFT_HEADER, RULE_HEADER, SERVED_ENDPOINT,
+};
+use kinference_epp::server::{Epp, Settings};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+const POLICY: &str = include_str!("../../examples/pii-stays-local.yaml");
+const MODEL: &str = "qwen-2.5";
+const ENDPOINTS: usize = 50;
+const CHUNK: usize = 62_000;
+const FLOOR_DESTINATION: &str = "127.0.0.1:20001";
+const LARGE_GROUPS: usize = 16;
+const LARGE_PREFIX_BYTES: usize = 150 * 1024;
+const LARGE_TAIL_BYTES: usize = 70 * 1024;
+const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+// ---------------------------------------------------------------------------
+// The floor: gRPC + ext_proc, no parsing, no decision.
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+struct Floor;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Floor {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Same shape as the EPP: one task per stream, a bounded reply channel.
+        let (tx, rx) = mpsc::channel(32);
+        tokio::spawn(floor_session(request.into_inner(), tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+async fn floor_session(
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let mut streamed = false;
+    let mut body: Vec<u8> = Vec::new();
+    while let Ok(Some(msg)) = inbound.message().await {
+        if let Some(pc) = &msg.protocol_config {
+            streamed = pc.request_body_mode == FULL_DUPLEX_STREAMED;
+        }
+        let replies = match msg.request {
+            Some(Msg::RequestHeaders(_)) if streamed => Vec::new(),
+            Some(Msg::RequestHeaders(_)) => {
+                vec![reply(Reply::RequestHeaders(HeadersResponse::default()))]
+            }
+            Some(Msg::RequestBody(b)) => {
+                if body.is_empty() && b.end_of_stream {
+                    body = b.body;
+                } else {
+                    body.extend_from_slice(&b.body);
+                }
+                if !b.end_of_stream {
+                    Vec::new()
+                } else if streamed {
+                    floor_streamed(&body)
+                } else {
+                    vec![ProcessingResponse {
+                        dynamic_metadata: Some(lb_metadata(FLOOR_DESTINATION)),
+                        response: Some(Reply::RequestBody(BodyResponse {
+                            response: Some(floor_common()),
+                        })),
+                        ..ProcessingResponse::default()
+                    }]
+                }
+            }
+            Some(Msg::RequestTrailers(_)) => {
+                vec![reply(Reply::RequestTrailers(TrailersResponse::default()))]
+            }
+            Some(Msg::ResponseHeaders(_)) => {
+                vec![reply(Reply::ResponseHeaders(HeadersResponse::default()))]
+            }
+            Some(Msg::ResponseBody(_)) => {
+                vec![reply(Reply::ResponseBody(BodyResponse::default()))]
+            }
+            Some(Msg::ResponseTrailers(_)) => {
+                vec![reply(Reply::ResponseTrailers(TrailersResponse::default()))]
+            }
+            None => Vec::new(),
+        };
+        for r in replies {
+            if tx.send(Ok(r)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// `BodySendMode::FullDuplexStreamed`.
+const FULL_DUPLEX_STREAMED: i32 = 4;
+
+fn reply(r: Reply) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(r),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn floor_common() -> CommonResponse {
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![HeaderValueOption {
+                header: Some(HeaderValue {
+                    key: DESTINATION_ENDPOINT.to_string(),
+                    raw_value: FLOOR_DESTINATION.as_bytes().to_vec(),
+                    ..HeaderValue::default()
+                }),
+                ..HeaderValueOption::default()
+            }],
+            remove_headers: Vec::new(),
+        }),
+        clear_route_cache: true,
+        ..CommonResponse::default()
+    }
+}
+
+fn lb_metadata(destination: &str) -> Struct {
+    let inner = Struct {
+        fields: [(DESTINATION_ENDPOINT.to_string(), string(destination))].into(),
+    };
+    Struct {
+        fields: [(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]
+        .into(),
+    }
+}
+
+fn string(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+/// The held headers answer, then the body handed back in chunks.
+fn floor_streamed(body: &[u8]) -> Vec<ProcessingResponse> {
+    let mut out = vec![ProcessingResponse {
+        dynamic_metadata: Some(lb_metadata(FLOOR_DESTINATION)),
+        response: Some(Reply::RequestHeaders(HeadersResponse {
+            response: Some(floor_common()),
+        })),
+        ..ProcessingResponse::default()
+    }];
+    let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
+    let last = chunks.len().saturating_sub(1);
+    for (i, chunk) in chunks.into_iter().enumerate() {
+        out.push(reply(Reply::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(body_mutation::Mutation::StreamedResponse(
+                        StreamedBodyResponse {
+                            body: chunk.to_vec(),
+                            end_of_stream: i == last,
+                            ..StreamedBodyResponse::default()
+                        },
+                    )),
+                }),
+                ..CommonResponse::default()
+            }),
+        })));
+    }
+    out
+}
+
+async fn serve_floor(listener: TcpListener, shutdown: oneshot::Receiver<()>) {
+    let service = ExternalProcessorServer::new(Floor)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    // The same transport settings as `Epp::serve_ext_proc`.
+    let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = shutdown.await;
+        })
+        .await;
+    if let Err(e) = result {
+        eprintln!("floor server: {e}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The EPP under test.
+// ---------------------------------------------------------------------------
+
+fn endpoint_names() -> Vec<String> {
+    (0..ENDPOINTS)
+        .map(|i| format!("127.0.0.1:{}", 20001 + i))
+        .collect()
+}
+
+fn build_epp() -> Epp {
+    let epp = Epp::new(Settings::default());
+    epp.policy()
+        .load_text(POLICY)
+        .expect("examples/pii-stays-local.yaml compiles");
+    let specs = endpoint_names()
+        .into_iter()
+        .map(|a| EndpointSpec::new(a, &[MODEL]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).expect("endpoint specs are valid"));
+    epp.registry().mark_synced();
+    epp
+}
+
+/// Plays the scraper: fresh metrics for every endpoint every 50 ms (the
+/// default scrape interval), without HTTP.
+async fn refresh_metrics(epp: Epp) {
+    let names = endpoint_names();
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        for name in &names {
+            epp.registry().set_metrics(
+                name,
+                ScrapedMetrics {
+                    waiting: f64::from(rng.random_range(0..4u8)),
+                    running: f64::from(rng.random_range(0..16u8)),
+                    kv_cache_usage: rng.random_range(0.1..0.8),
+                    ..ScrapedMetrics::empty(now)
+                },
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Workloads.
+// ---------------------------------------------------------------------------
+
+const WORDS: &[&str] = &[
+    "the",
+    "model",
+    "server",
+    "request",
+    "latency",
+    "token",
+    "cache",
+    "prefix",
+    "gateway",
+    "endpoint",
+    "policy",
+    "route",
+    "queue",
+    "answer",
+    "question",
+    "summary",
+    "report",
+    "table",
+    "column",
+    "value",
+    "update",
+    "system",
+    "user",
+    "assistant",
+    "context",
+    "window",
+    "batch",
+    "prompt",
+    "document",
+    "section",
+    "paragraph",
+    "review",
+    "change",
+    "result",
+    "error",
+    "metric",
+    "cluster",
+    "node",
+    "pod",
+    "service",
+    "deploy",
+    "config",
+    "please",
+    "explain",
+    "why",
+    "how",
+    "what",
+    "when",
+    "and",
+    "or",
+    "with",
+    "from",
+    "into",
+    "over",
+    "under",
+    "about",
+    "between",
+    "quickly",
+    "carefully",
+    "again",
+];
+
+/// JSON-safe lines of pseudo-English, each ending in an escaped newline, so
+/// any run of whole lines is valid inside a JSON string.
+struct Corpus {
+    lines: Vec<String>,
+}
+
+impl Corpus {
+    fn new(seed: u64, count: usize) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let lines = (0..count)
+            .map(|_| {
+                let mut line = String::with_capacity(96);
+                while line.len() < 72 {
+                    if !line.is_empty() {
+                        line.push(' ');
+                    }
+                    line.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+                    if rng.random_range(0..8) == 0 {
+                        line.push(',');
+                    }
+                }
+                line.push_str(".\\n");
+                line
+            })
+            .collect();
+        Corpus { lines }
+    }
+
+    /// Whole lines from `start` (wrapping) until `bytes` are reached.
+    fn take(&self, out: &mut String, start: usize, bytes: usize) {
+        let target = out.len() + bytes;
+        let mut i = start % self.lines.len();
+        while out.len() < target {
+            out.push_str(&self.lines[i]);
+            i = (i + 1) % self.lines.len();
+        }
+    }
+}
+
+enum Workload {
+    /// ~1–2 KB chat bodies: one of 8 system prompts, a unique user turn; one
+    /// in ten carries an e-mail address (the pii rule's traffic).
+    Chat {
+        corpus: Corpus,
+        systems: Vec<String>,
+    },
+    /// 220 KB prompts: a group's 150 KB system prompt, a unique 70 KB tail.
+    Large {
+        corpus: Corpus,
+        systems: Vec<String>,
+    },
+}
+
+impl Workload {
+    fn chat() -> Self {
+        let corpus = Corpus::new(1, 4096);
+        let systems = (0..8)
+            .map(|g| {
+                let mut s = format!("You are assistant number {g}. ");
+                corpus.take(&mut s, g * 97, 400);
+                s
+            })
+            .collect();
+        Workload::Chat { corpus, systems }
+    }
+
+    fn large() -> Self {
+        let corpus = Corpus::new(2, 16_384);
+        let systems = (0..LARGE_GROUPS)
+            .map(|g| {
+                let mut s = format!("Group {g} knowledge base. ");
+                corpus.take(&mut s, g * 1009, LARGE_PREFIX_BYTES);
+                s
+            })
+            .collect();
+        Workload::Large { corpus, systems }
+    }
+
+    fn groups(&self) -> usize {
+        match self {
+            Workload::Chat { systems, .. } | Workload::Large { systems, .. } => systems.len(),
+        }
+    }
+
+    /// Request `id`'s body and its prefix group.
+    fn body(&self, id: u64) -> (Vec<u8>, usize) {
+        let (corpus, systems, tail) = match self {
+            Workload::Chat { corpus, systems } => (corpus, systems, 600 + (id % 7) as usize * 100),
+            Workload::Large { corpus, systems } => (corpus, systems, LARGE_TAIL_BYTES),
+        };
+        let group = (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % systems.len();
+        let system = &systems[group];
+        let mut user = format!("Request {id}: ");
+        if matches!(self, Workload::Chat { .. }) && id % 10 == 3 {
+            user.push_str(&format!("my e-mail is jane.doe{id}@example.com, "));
+        }
+        corpus.take(&mut user, (id as usize).wrapping_mul(7919), tail);
+        let mut body = Vec::with_capacity(system.len() + user.len() + 160);
+        body.extend_from_slice(br#"{"model":""#);
+        body.extend_from_slice(MODEL.as_bytes());
+        body.extend_from_slice(br#"","messages":[{"role":"system","content":""#);
+        body.extend_from_slice(system.as_bytes());
+        body.extend_from_slice(br#""},{"role":"user","content":""#);
+        body.extend_from_slice(user.as_bytes());
+        body.extend_from_slice(br#""}],"max_tokens":256,"stream":true}"#);
+        (body, group)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The load generator: Envoy's side of each stream.
+// ---------------------------------------------------------------------------
+
+type Client = ExternalProcessorClient<Channel>;
+
+struct Decided {
+    latency: Duration,
+    destination: Option<String>,
+    rule: Option<String>,
+    immediate: Option<i32>,
+}
+
+fn set_header<'a>(common: &'a CommonResponse, key: &str) -> Option<&'a str> {
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == key)
+        .map(|h| std::str::from_utf8(&h.raw_value).unwrap_or(""))
+}
+
+fn lb_destination(r: &ProcessingResponse) -> Option<String> {
+    let md = r.dynamic_metadata.as_ref()?;
+    let Some(Kind::StructValue(lb)) = md.fields.get(LB_NAMESPACE)?.kind.as_ref() else {
+        return None;
+    };
+    match lb.fields.get(DESTINATION_ENDPOINT)?.kind.as_ref()? {
+        Kind::StringValue(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn header_map(headers: &[(&str, String)]) -> HeaderMap {
+    HeaderMap {
+        headers: headers
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: k.to_string(),
+                raw_value: v.as_bytes().to_vec(),
+                ..HeaderValue::default()
+            })
+            .collect(),
+    }
+}
+
+/// One HTTP request through ext_proc. The latency runs from sending the
+/// request headers to the reply that completes the decision (buffered: the
+/// body reply; streamed: the last handed-back body chunk). Then the response
+/// path (headers with the served endpoint and a TTFT, end of body), and the
+/// stream is closed.
+async fn one_request(
+    client: &mut Client,
+    request: &HttpRequest,
+    ttft_ms: f64,
+) -> anyhow::Result<Decided> {
+    let streamed = matches!(request.mode, BodyMode::Streamed(_));
+    let mut messages = request.messages().into_iter();
+    let expected_body = request.body.len();
+    let (tx, rx) = mpsc::channel(16);
+    let started = Instant::now();
+    tx.send(messages.next().expect("headers message")).await?;
+    if streamed {
+        // Envoy streams the body without waiting for the headers answer.
+        for m in messages.by_ref() {
+            tx.send(m).await?;
+        }
+    }
+    let mut inbound = client.process(ReceiverStream::new(rx)).await?.into_inner();
+    let mut destination = None;
+    let mut lb = None;
+    let mut rule = None;
+    let mut immediate = None;
+    let mut echoed = 0usize;
+    loop {
+        let Some(r) = inbound.message().await? else {
+            anyhow::bail!("stream closed before the decision");
+        };
+        if let Some(d) = lb_destination(&r) {
+            lb = Some(d);
+        }
+        match &r.response {
+            Some(Reply::ImmediateResponse(i)) => {
+                immediate = Some(i.status.as_ref().map_or(200, |s| s.code));
+                break;
+            }
+            Some(Reply::RequestHeaders(h)) => {
+                if let Some(c) = &h.response {
+                    destination = set_header(c, DESTINATION_ENDPOINT).map(str::to_string);
+                    rule = set_header(c, RULE_HEADER).map(str::to_string);
+                }
+                if !streamed {
+                    // Buffered: Envoy sends the body once headers are answered.
+                    for m in messages.by_ref() {
+                        tx.send(m).await?;
+                    }
+                }
+            }
+            Some(Reply::RequestBody(b)) => {
+                let c = b.response.as_ref();
+                if !streamed {
+                    if let Some(c) = c {
+                        destination = set_header(c, DESTINATION_ENDPOINT).map(str::to_string);
+                        rule = set_header(c, RULE_HEADER).map(str::to_string);
+                    }
+                    break;
+                }
+                match c
+                    .and_then(|c| c.body_mutation.as_ref())
+                    .and_then(|m| m.mutation.as_ref())
+                {
+                    Some(body_mutation::Mutation::StreamedResponse(s)) => {
+                        echoed += s.body.len();
+                        if s.end_of_stream {
+                            break;
+                        }
+                    }
+                    _ => anyhow::bail!("streamed mode: a body reply without a streamed body"),
+                }
+            }
+            other => anyhow::bail!("unexpected reply {other:?}"),
+        }
+    }
+    let latency = started.elapsed();
+    if immediate.is_none() {
+        let dest = destination
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("no destination header"))?;
+        if lb.as_deref() != Some(dest.as_str()) {
+            anyhow::bail!("header {dest:?} and envoy.lb metadata {lb:?} differ");
+        }
+        if streamed && echoed != expected_body {
+            anyhow::bail!("streamed body: {echoed} bytes back, {expected_body} sent");
+        }
+        // Response path, as the demo gateway reports it.
+        let served = dest.split(',').next().unwrap_or_default().to_string();
+        let metadata = Metadata {
+            filter_metadata: [(
+                LB_NAMESPACE.to_string(),
+                Struct {
+                    fields: [(SERVED_ENDPOINT.to_string(), string(&served))].into(),
+                },
+            )]
+            .into(),
+            ..Metadata::default()
+        };
+        tx.send(ProcessingRequest {
+            metadata_context: Some(metadata),
+            request: Some(Msg::ResponseHeaders(HttpHeaders {
+                headers: Some(header_map(&[
+                    (":status", "200".to_string()),
+                    (OBSERVED_TTFT_HEADER, format!("{ttft_ms:.3}")),
+                ])),
+                ..HttpHeaders::default()
+            })),
+            ..ProcessingRequest::default()
+        })
+        .await?;
+        inbound.message().await?;
+        tx.send(ProcessingRequest {
+            request: Some(Msg::ResponseBody(HttpBody {
+                end_of_stream: true,
+                ..HttpBody::default()
+            })),
+            ..ProcessingRequest::default()
+        })
+        .await?;
+        inbound.message().await?;
+    }
+    drop(tx);
+    // Let the server end its side; bounded in case it does not.
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(_)) = inbound.message().await {}
+    })
+    .await;
+    Ok(Decided {
+        latency,
+        destination,
+        rule,
+        immediate,
+    })
+}
+
+#[derive(Clone, Copy)]
+struct PhaseSpec {
+    requests: u64,
+    warmup: u64,
+    concurrency: usize,
+    mode: BodyMode,
+    max_time: Duration,
+}
+
+#[derive(Default)]
+struct PhaseResult {
+    latencies: Vec<Duration>,
+    errors: u64,
+    first_error: Option<String>,
+    statuses: HashMap<i32, u64>,
+    rules: HashMap<String, u64>,
+    destinations: HashMap<String, u64>,
+    /// Per prefix group: requests per destination.
+    groups: HashMap<usize, HashMap<String, u64>>,
+    elapsed: Duration,
+    server_cpu: Duration,
+    truncated: bool,
+}
+
+impl PhaseResult {
+    fn merge(&mut self, o: PhaseResult) {
+        self.latencies.extend(o.latencies);
+        self.errors += o.errors;
+        if self.first_error.is_none() {
+            self.first_error = o.first_error;
+        }
+        for (k, v) in o.statuses {
+            *self.statuses.entry(k).or_default() += v;
+        }
+        for (k, v) in o.rules {
+            *self.rules.entry(k).or_default() += v;
+        }
+        for (k, v) in o.destinations {
+            *self.destinations.entry(k).or_default() += v;
+        }
+        for (g, m) in o.groups {
+            let e = self.groups.entry(g).or_default();
+            for (k, v) in m {
+                *e.entry(k).or_default() += v;
+            }
+        }
+    }
+
+    fn measured(&self) -> u64 {
+        self.latencies.len() as u64 + self.errors + self.statuses.values().sum::<u64>()
+    }
+
+    fn rps(&self) -> f64 {
+        self.measured() as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    fn quantile(&self, q: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((self.latencies.len() as f64 * q).ceil() as usize).clamp(1, self.latencies.len());
+        self.latencies[i - 1]
+    }
+
+    fn cpu_per_request(&self) -> Duration {
+        self.server_cpu / self.measured().max(1) as u32
+    }
+}
+
+async fn run_phase(
+    clients: &[Client],
+    workload: Arc<Workload>,
+    spec: PhaseSpec,
+    server_threads: &str,
+) -> PhaseResult {
+    let next = Arc::new(AtomicU64::new(0));
+    let total = spec.warmup + spec.requests;
+    let deadline = Instant::now() + spec.max_time;
+    let measured_from: Arc<std::sync::Mutex<Option<(Instant, Duration)>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for w in 0..spec.concurrency {
+        let mut client = clients[w % clients.len()].clone();
+        let workload = workload.clone();
+        let next = next.clone();
+        let measured_from = measured_from.clone();
+        let server_threads = server_threads.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut out = PhaseResult::default();
+            let mut rng = StdRng::seed_from_u64(w as u64);
+            loop {
+                let id = next.fetch_add(1, Ordering::Relaxed);
+                if id >= total {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    out.truncated = true;
+                    break;
+                }
+                if id == spec.warmup {
+                    *measured_from.lock().unwrap() =
+                        Some((Instant::now(), thread_cpu(&server_threads)));
+                }
+                let (body, group) = workload.body(id);
+                let mut request = HttpRequest::post("/v1/chat/completions", body);
+                if let BodyMode::Streamed(n) = spec.mode {
+                    request = request.streamed(n);
+                }
+                let ttft_ms = rng.random_range(40.0..120.0);
+                let result = one_request(&mut client, &request, ttft_ms).await;
+                if id < spec.warmup {
+                    continue;
+                }
+                match result {
+                    Ok(d) => {
+                        if let Some(status) = d.immediate {
+                            *out.statuses.entry(status).or_default() += 1;
+                            continue;
+                        }
+                        out.latencies.push(d.latency);
+                        let rule = d.rule.unwrap_or_else(|| "-".to_string());
+                        *out.rules.entry(rule).or_default() += 1;
+                        let first = d
+                            .destination
+                            .as_deref()
+                            .and_then(|s| s.split(',').next())
+                            .unwrap_or_default()
+                            .to_string();
+                        *out.groups
+                            .entry(group)
+                            .or_default()
+                            .entry(first.clone())
+                            .or_default() += 1;
+                        *out.destinations.entry(first).or_default() += 1;
+                    }
+                    Err(e) => {
+                        out.errors += 1;
+                        if out.first_error.is_none() {
+                            out.first_error = Some(format!("{e:#}"));
+                        }
+                    }
+                }
+            }
+            out
+        }));
+    }
+    let mut result = PhaseResult::default();
+    for t in tasks {
+        match t.await {
+            Ok(r) => {
+                result.truncated |= r.truncated;
+                result.merge(r);
+            }
+            Err(e) => {
+                result.errors += 1;
+                result.first_error.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+    let end = Instant::now();
+    let end_cpu = thread_cpu(server_threads);
+    if let Some((start, cpu)) = *measured_from.lock().unwrap() {
+        result.elapsed = end - start;
+        result.server_cpu = end_cpu.saturating_sub(cpu);
+    }
+    result.latencies.sort_unstable();
+    result
+}
+
+/// CPU time of this process's threads whose name starts with `prefix`
+/// (Linux schedstat, nanoseconds); zero elsewhere.
+fn thread_cpu(prefix: &str) -> Duration {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let mut total = 0u64;
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue;
+        };
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        if let Ok(stat) = std::fs::read_to_string(path.join("schedstat"))
+            && let Some(ns) = stat
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+        {
+            total += ns;
+        }
+    }
+    Duration::from_nanos(total)
+}
+
+// ---------------------------------------------------------------------------
+// Report.
+// ---------------------------------------------------------------------------
+
+fn ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+fn print_header() {
+    println!(
+        "| phase | requests | conc | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU µs/req | errors | rejects |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+}
+
+fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
+    let rejects = if r.statuses.is_empty() {
+        "-".to_string()
+    } else {
+        let mut s: Vec<_> = r.statuses.iter().map(|(k, v)| format!("{k}×{v}")).collect();
+        s.sort();
+        s.join(" ")
+    };
+    println!(
+        "| {label} | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {} | {}{} |",
+        r.measured(),
+        spec.concurrency,
+        r.rps(),
+        ms(r.quantile(0.50)),
+        ms(r.quantile(0.90)),
+        ms(r.quantile(0.99)),
+        ms(r.latencies.last().copied().unwrap_or_default()),
+        r.cpu_per_request().as_secs_f64() * 1e6,
+        r.errors,
+        rejects,
+        if r.truncated { " (time cap hit)" } else { "" },
+    );
+}
+
+fn routing_line(label: &str, r: &PhaseResult, groups: usize) -> String {
+    let mut rules: Vec<_> = r.rules.iter().collect();
+    rules.sort();
+    let rules: Vec<String> = rules.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let busiest = r.destinations.values().max().copied().unwrap_or(0);
+    let per_group: Vec<usize> = (0..groups)
+        .map(|g| r.groups.get(&g).map_or(0, HashMap::len))
+        .collect();
+    let mean = per_group.iter().sum::<usize>() as f64 / groups.max(1) as f64;
+    // Share of each group's requests that went to that group's top endpoint.
+    let top: u64 = r
+        .groups
+        .values()
+        .map(|m| m.values().max().copied().unwrap_or(0))
+        .sum();
+    let mut line = format!(
+        "- {label}: rules [{}]; {} endpoints used (busiest {busiest}); per prefix group {mean:.1} endpoints on average, {:.0}% of requests on the group's top endpoint",
+        rules.join(", "),
+        r.destinations.len(),
+        100.0 * top as f64 / r.latencies.len().max(1) as f64,
+    );
+    if let Some(e) = &r.first_error {
+        line.push_str(&format!("; first error: {e}"));
+    }
+    line
+}
+
+struct Scenario {
+    name: &'static str,
+    workload: Arc<Workload>,
+    requests: u64,
+    warmup: u64,
+    concurrency: usize,
+    target: Target,
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    /// EPP p99 within this multiple of the floor's p99.
+    RatioOfFloor(f64),
+    /// EPP p99 minus the floor's p99 under this.
+    AddedP99(Duration),
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
+    let phase_filter = std::env::var("LOAD_PHASES").ok();
+    let server_threads = env_or("LOAD_SERVER_THREADS", 2) as usize;
+    let client_threads = env_or("LOAD_CLIENT_THREADS", 2) as usize;
+    let connections = env_or("LOAD_CONNECTIONS", 4).max(1) as usize;
+    let max_time = Duration::from_secs(env_or("LOAD_MAX_SECS", 60));
+
+    // Two runtimes, like two processes: the servers (EPP and floor, with their
+    // blocking pools) and the load generator. Named threads let us read the
+    // servers' CPU time apart from the client's.
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(server_threads)
+        .thread_name("srv")
+        .thread_keep_alive(Duration::from_secs(3600))
+        .enable_all()
+        .build()?;
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(client_threads)
+        .thread_name("load")
+        .enable_all()
+        .build()?;
+
+    let epp = build_epp();
+    let bind = || -> anyhow::Result<TcpListener> {
+        Ok(server_rt.block_on(TcpListener::bind("127.0.0.1:0"))?)
+    };
+    let floor_listener = bind()?;
+    let epp_listener = bind()?;
+    let floor_addr = floor_listener.local_addr()?;
+    let epp_addr = epp_listener.local_addr()?;
+    let (floor_stop, floor_stopped) = oneshot::channel::<()>();
+    let (epp_stop, epp_stopped) = oneshot::channel::<()>();
+    let floor_task = server_rt.spawn(serve_floor(floor_listener, floor_stopped));
+    let refresher = server_rt.spawn(refresh_metrics(epp.clone()));
+    let epp_task = {
+        let epp = epp.clone();
+        server_rt.spawn(async move {
+            let stop = async {
+                let _ = epp_stopped.await;
+            };
+            if let Err(e) = epp.serve_ext_proc(epp_listener, stop).await {
+                eprintln!("EPP server: {e:#}");
+            }
+        })
+    };
+
+    let connect = |addr: SocketAddr| -> anyhow::Result<Vec<Client>> {
+        client_rt.block_on(async {
+            let mut out = Vec::new();
+            for _ in 0..connections {
+                let channel = Channel::from_shared(format!("http://{addr}"))?
+                    .connect()
+                    .await?;
+                out.push(
+                    ExternalProcessorClient::new(channel)
+                        .max_decoding_message_size(MAX_MESSAGE)
+                        .max_encoding_message_size(MAX_MESSAGE),
+                );
+            }
+            Ok(out)
+        })
+    };
+    let floor_clients = connect(floor_addr)?;
+    let epp_clients = connect(epp_addr)?;
+
+    let mut scenarios = Vec::new();
+    if want("normal") {
+        scenarios.push(Scenario {
+            name: "chat ~1.5 KB",
+            workload: Arc::new(Workload::chat()),
+            requests: env_or("LOAD_NORMAL_REQUESTS", 20_000),
+            warmup: 2_000,
+            concurrency: env_or("LOAD_NORMAL_CONCURRENCY", 64) as usize,
+            target: Target::RatioOfFloor(3.0),
+        });
+    }
+    if want("large") {
+        scenarios.push(Scenario {
+            name: "220 KB prompts",
+            workload: Arc::new(Workload::large()),
+            requests: env_or("LOAD_LARGE_REQUESTS", 3_000),
+            warmup: 300,
+            concurrency: env_or("LOAD_LARGE_CONCURRENCY", 150) as usize,
+            target: Target::AddedP99(Duration::from_millis(10)),
+        });
+    }
+
+    println!(
+        "extproc_load: {} cores, server runtime {server_threads} workers, load generator {client_threads} workers, {connections} gRPC connections per server, {ENDPOINTS} endpoints, policy examples/pii-stays-local.yaml",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    let mut verdicts = Vec::new();
+    for sc in &scenarios {
+        println!();
+        println!("### {}", sc.name);
+        print_header();
+        let mut notes = Vec::new();
+        for (mode_name, mode) in [
+            ("buffered", BodyMode::Buffered),
+            ("streamed", BodyMode::Streamed(CHUNK)),
+        ] {
+            let spec = PhaseSpec {
+                requests: sc.requests,
+                warmup: sc.warmup,
+                concurrency: sc.concurrency,
+                mode,
+                max_time,
+            };
+            let mut pair = Vec::new();
+            for (server, clients) in [("floor", &floor_clients), ("epp", &epp_clients)] {
+                let label = format!("{server} {mode_name}");
+                let key = format!(
+                    "{server}-{}-{mode_name}",
+                    if matches!(sc.target, Target::AddedP99(_)) {
+                        "large"
+                    } else {
+                        "normal"
+                    }
+                );
+                if phase_filter.as_deref().is_some_and(|f| !key.contains(f)) {
+                    continue;
+                }
+                let r = client_rt.block_on(run_phase(clients, sc.workload.clone(), spec, "srv"));
+                print_row(&label, &spec, &r);
+                if server == "epp" || r.errors > 0 {
+                    notes.push(routing_line(&label, &r, sc.workload.groups()));
+                }
+                pair.push(r);
+            }
+            if let [floor, epp] = &pair[..] {
+                let (f99, e99) = (floor.quantile(0.99), epp.quantile(0.99));
+                let ratio = e99.as_secs_f64() / f99.as_secs_f64().max(1e-9);
+                let added = e99.saturating_sub(f99);
+                let cpu_added = epp
+                    .cpu_per_request()
+                    .saturating_sub(floor.cpu_per_request());
+                let (met, target) = match sc.target {
+                    Target::RatioOfFloor(x) => (ratio <= x, format!("EPP p99 ≤ {x}× floor p99")),
+                    Target::AddedP99(d) => (added < d, format!("added p99 < {} ms", ms(d))),
+                };
+                let verdict = format!(
+                    "{} {mode_name}: EPP/floor p99 {ratio:.2}×, added p99 {} ms, added p50 {} ms, req/s {:.0} vs {:.0} ({:.0}%), added server CPU {:.0} µs/req — target {target}: {}",
+                    sc.name,
+                    ms(added),
+                    ms(epp.quantile(0.5).saturating_sub(floor.quantile(0.5))),
+                    epp.rps(),
+                    floor.rps(),
+                    100.0 * epp.rps() / floor.rps().max(1e-9),
+                    cpu_added.as_secs_f64() * 1e6,
+                    if met { "MET" } else { "MISSED" },
+                );
+                verdicts.push(verdict);
+            }
+        }
+        println!();
+        for n in notes {
+            println!("{n}");
+        }
+    }
+    println!();
+    println!("### Verdicts");
+    for v in &verdicts {
+        println!("- {v}");
+    }
+
+    let _ = floor_stop.send(());
+    let _ = epp_stop.send(());
+    refresher.abort();
+    drop(floor_clients);
+    drop(epp_clients);
+    server_rt.block_on(async {
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            let _ = floor_task.await;
+            let _ = epp_task.await;
+        })
+        .await;
+    });
+    client_rt.shutdown_timeout(Duration::from_secs(1));
+    server_rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
