@@ -7,51 +7,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kinference_e2e::cluster::TestCluster;
+use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
 use kinference_epp::endpoints::{EndpointRegistry, run_pod_discovery};
-use kube::Client;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NS: &str = "epp-discovery";
 const WAIT: Duration = Duration::from_secs(30);
-
-async fn create_namespace(client: &Client, name: &str) -> anyhow::Result<()> {
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await?;
-    Ok(())
-}
-
-async fn create_pod(pods: &Api<Pod>, name: &str, labels: serde_json::Value) -> anyhow::Result<()> {
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"containers": [{"name": "vllm", "image": "example.invalid/vllm:latest"}]}
-    }))?;
-    pods.create(&PostParams::default(), &pod).await?;
-    Ok(())
-}
-
-/// Plays kubelet: writes the Pod's status.
-async fn set_status(pods: &Api<Pod>, name: &str, ip: &str, ready: bool) -> anyhow::Result<()> {
-    pods.patch_status(
-        name,
-        &PatchParams::default(),
-        &Patch::Merge(json!({
-            "status": {
-                "phase": "Running",
-                "podIP": ip,
-                "podIPs": [{"ip": ip}],
-                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
-            }
-        })),
-    )
-    .await?;
-    Ok(())
-}
 
 async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + WAIT;

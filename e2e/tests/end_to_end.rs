@@ -1,0 +1,254 @@
+//! The whole chain against a real API server: the operator compiles an
+//! InferencePolicy into its ConfigMap; an EPP (run in-process, as its
+//! Deployment would run it) loads that ConfigMap, discovers the pool's Pods,
+//! scrapes simulated model servers at the Pods' IPs and routes an ext_proc
+//! request to one; it reports the loaded hash on its Pod and the policy turns
+//! Ready. Then the API server restarts and both keep working.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kinference_api::InferencePolicy;
+use kinference_e2e::cluster::TestCluster;
+use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
+use kinference_epp::client::{EppClient, HttpRequest};
+use kinference_epp::k8s;
+use kinference_epp::server::{Epp, Settings};
+use kinference_operator::{Config, Requeue};
+use kinference_simulator::{SimConfig, SimHandle};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+const NS: &str = "e2e";
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn eventually<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A simulator listening on `ip:port`, as if it ran in a Pod with that IP.
+async fn sim_at(ip: &str, port: u16, name: &str) -> SimHandle {
+    let mut config = SimConfig::new(name, ["qwen"]);
+    config.time_scale = 0.05;
+    kinference_simulator::spawn(config, format!("{ip}:{port}").parse().unwrap())
+        .await
+        .unwrap()
+}
+
+fn free_port(ip: &str) -> u16 {
+    std::net::TcpListener::bind(format!("{ip}:0"))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn chat() -> Vec<u8> {
+    serde_json::to_vec(
+        &json!({"model": "qwen", "messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .unwrap()
+}
+
+async fn condition(
+    policies: &Api<InferencePolicy>,
+    name: &str,
+    kind: &str,
+) -> Option<(String, String)> {
+    let p = policies.get(name).await.ok()?;
+    let c = p.status?.conditions.into_iter().find(|c| c.type_ == kind)?;
+    Some((c.status, c.message))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let operator = kinference_operator::spawn(
+        client.clone(),
+        Config {
+            requeue: Requeue {
+                pending: Duration::from_millis(500),
+                error: Duration::from_millis(500),
+                ..Requeue::default()
+            },
+            ..Config::default()
+        },
+    );
+
+    // Model servers on distinct loopback IPs sharing one port, like Pods.
+    let port = free_port("127.0.0.2");
+    let _sims = [
+        sim_at("127.0.0.2", port, "sim-a").await,
+        sim_at("127.0.0.3", port, "sim-b").await,
+    ];
+    let policy: InferencePolicy = serde_json::from_value(json!({
+        "apiVersion": "kinference.io/v1alpha1",
+        "kind": "InferencePolicy",
+        "metadata": {"name": "chat", "namespace": NS},
+        "spec": {
+            "pool": {"selector": {"app": "sim"}, "targetPorts": [{"number": port}]},
+            "rules": [{"name": "least-queue", "route": {"select": [{"minimize": "QueueDepth"}]}}]
+        }
+    }))?;
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies.create(&PostParams::default(), &policy).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for (name, ip) in [("sim-a", "127.0.0.2"), ("sim-b", "127.0.0.3")] {
+        create_pod(
+            &pods,
+            name,
+            json!({"app": "sim", "kinference.io/models": "qwen"}),
+        )
+        .await?;
+        set_status(&pods, name, ip, true).await?;
+    }
+
+    // The operator writes the ConfigMap and the EPP Deployment.
+    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    let hash = eventually("the policy ConfigMap", || async {
+        configmaps
+            .get("chat-policy")
+            .await
+            .ok()?
+            .data?
+            .get(kinference_api::POLICY_HASH_KEY)
+            .cloned()
+    })
+    .await;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let deployment = eventually("the EPP Deployment", || async {
+        deployments.get("chat-epp").await.ok()
+    })
+    .await;
+
+    // The EPP's own Pod (no kubelet: the test creates it with the
+    // Deployment's labels), then the EPP process itself, in-process.
+    let labels = deployment.spec.unwrap().selector.match_labels.unwrap();
+    create_pod(&pods, "chat-epp-0", serde_json::to_value(&labels)?).await?;
+    set_status(&pods, "chat-epp-0", "127.0.0.9", true).await?;
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_millis(20),
+        ..Settings::default()
+    });
+    let tasks = vec![
+        tokio::spawn(k8s::watch_policy_configmap(
+            epp.clone(),
+            client.clone(),
+            NS.into(),
+            "chat-policy".into(),
+        )),
+        tokio::spawn(k8s::run_discovery(epp.clone(), client.clone(), NS.into())),
+        tokio::spawn(k8s::report_loaded_hash(
+            epp.clone(),
+            client.clone(),
+            NS.into(),
+            "chat-epp-0".into(),
+        )),
+        epp.spawn_scraper(),
+    ];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr: SocketAddr = listener.local_addr()?;
+    let server = epp.clone();
+    tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, std::future::pending())
+            .await
+    });
+
+    eventually("the EPP to load the operator's policy", || async {
+        (epp.policy().loaded_hash().as_deref() == Some(hash.as_str())).then_some(())
+    })
+    .await;
+    eventually("discovery and metrics of both Pods", || async {
+        let snapshot = epp.registry().snapshot();
+        (snapshot.len() == 2 && snapshot.iter().all(|v| v.metrics.is_some())).then_some(())
+    })
+    .await;
+    let epp_client = EppClient::connect(addr).await?;
+    let (outcome, _) = epp_client
+        .decide(&HttpRequest::post("/v1/chat/completions", chat()))
+        .await?;
+    let dest = outcome.destination().expect("routed to a Pod").to_string();
+    let first = dest.split(',').next().unwrap();
+    assert!(
+        [format!("127.0.0.2:{port}"), format!("127.0.0.3:{port}")].contains(&first.to_string()),
+        "{dest}"
+    );
+    assert_eq!(outcome.set_headers["x-kinference-rule"], "least-queue");
+
+    // Ready: the Deployment is available (no controller-manager here, so the
+    // test writes its status) and the EPP Pod reports this policy's hash.
+    deployments
+        .patch_status(
+            "chat-epp",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}}),
+            ),
+        )
+        .await?;
+    eventually("Ready=True", || async {
+        let (status, _) = condition(&policies, "chat", "Ready").await?;
+        (status == "True").then_some(())
+    })
+    .await;
+
+    // The API server goes away and comes back: the EPP keeps routing from
+    // what it knows, then picks up a new Pod and a policy edit.
+    cluster.restart_apiserver().await?;
+    let (outcome, _) = epp_client
+        .decide(&HttpRequest::post("/v1/chat/completions", chat()))
+        .await?;
+    assert!(
+        outcome.destination().is_some(),
+        "routing continues across the restart"
+    );
+    let _sim_c = sim_at("127.0.0.4", port, "sim-c").await;
+    create_pod(
+        &pods,
+        "sim-c",
+        json!({"app": "sim", "kinference.io/models": "qwen"}),
+    )
+    .await?;
+    set_status(&pods, "sim-c", "127.0.0.4", true).await?;
+    eventually("the new Pod after the restart", || async {
+        (epp.registry().snapshot().len() == 3).then_some(())
+    })
+    .await;
+    policies
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"rules": [{"name": "least-running", "route": {"select": [{"minimize": "RunningRequests"}]}}]}})),
+        )
+        .await?;
+    eventually("the edited policy in the EPP", || async {
+        let p = epp.policy().current()?;
+        (p.compiled.rules[0].name == "least-running").then_some(())
+    })
+    .await;
+    let (outcome, _) = epp_client
+        .decide(&HttpRequest::post("/v1/chat/completions", chat()))
+        .await?;
+    assert_eq!(outcome.set_headers["x-kinference-rule"], "least-running");
+
+    for t in tasks {
+        t.abort();
+    }
+    operator.stop().await?;
+    Ok(())
+}
