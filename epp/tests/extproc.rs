@@ -574,3 +574,46 @@ async fn policy_hot_swap_under_load_fails_no_request() {
         .unwrap();
     assert_eq!(outcome.set_headers["x-kinference-rule"], "local-v2");
 }
+
+#[tokio::test]
+async fn prefix_locality_sends_a_shared_prefix_back_to_its_endpoint() {
+    let policy =
+        "rules:\n  - name: cache\n    route: { select: [{ maximize: CachedPrefixTokens }] }\n";
+    let h = start(
+        policy,
+        vec![sim("a", &["qwen"]).await, sim("b", &["qwen"]).await],
+        1 << 22,
+    )
+    .await;
+    let document = "The quarterly report says revenue grew. ".repeat(400);
+    // The first request with this document is steered to b (subset hint)...
+    let mut first = HttpRequest::post(
+        "/v1/chat/completions",
+        chat("qwen", &format!("{document}\nQ1: summarize")),
+    );
+    first.subset = Some(vec![h.addr_of(1)]);
+    let (outcome, _) = h.client.decide(&first).await.unwrap();
+    assert_eq!(outcome.destination(), Some(h.addr_of(1).as_str()));
+    // ...so follow-ups sharing the prefix go to b, where it is cached, while
+    // an unrelated prompt takes the first endpoint in rank order (a).
+    for i in 0..3 {
+        let follow_up = HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", &format!("{document}\nQ{i}: more detail")),
+        );
+        let (outcome, _) = h.client.decide(&follow_up).await.unwrap();
+        assert_eq!(
+            outcome.destination().unwrap().split(',').next(),
+            Some(h.addr_of(1).as_str())
+        );
+    }
+    let other = HttpRequest::post(
+        "/v1/chat/completions",
+        chat("qwen", &"Unrelated question. ".repeat(50)),
+    );
+    let (outcome, _) = h.client.decide(&other).await.unwrap();
+    assert_eq!(
+        outcome.destination().unwrap().split(',').next(),
+        Some(h.addr_of(0).as_str())
+    );
+}

@@ -226,6 +226,7 @@ impl Session {
                 subset: self.subset.as_deref(),
             })
             .await;
+        let mut prefix: Option<(crate::predict::EndpointKey, Vec<u64>)> = None;
         let mutation = match pick {
             Pick::Reject {
                 status,
@@ -241,7 +242,9 @@ impl Session {
                 };
                 tracing::debug!(?rule, status, "rejected");
                 // The stream ends either way: an immediate response is final.
-                let _ = self.send(reply::immediate_error(status, kind, &message)).await;
+                let _ = self
+                    .send(reply::immediate_error(status, kind, &message))
+                    .await;
                 return false;
             }
             Pick::Local(local) => {
@@ -251,6 +254,7 @@ impl Session {
                     decided_at: Instant::now(),
                     ttft_recorded: false,
                 });
+                prefix = Some((local.key, local.prefix_hashes));
                 let destinations = local.addresses.join(",");
                 Mutation {
                     set_headers: vec![
@@ -290,16 +294,22 @@ impl Session {
                 }
             }
         };
-        if self.request_streamed {
+        let sent = if self.request_streamed {
+            let mut ok = true;
             for msg in reply::routed_streamed(&mutation, &self.body) {
                 if !self.send(msg).await {
-                    return false;
+                    ok = false;
+                    break;
                 }
             }
-            true
+            ok
         } else {
             self.send(reply::routed_buffered(&mutation)).await
+        };
+        if let Some((key, hashes)) = prefix {
+            self.picker.record_prefix(key, &hashes);
         }
+        sent
     }
 
     fn rewritten(&self, model: Option<&str>) -> Option<Vec<u8>> {

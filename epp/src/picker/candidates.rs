@@ -155,6 +155,7 @@ impl CandidateSet {
                         .filter(|target| *target != request.model),
                         key: self.keys[routed.winner],
                         features: self.features[routed.winner].unwrap_or_default(),
+                        prefix_hashes: Vec::new(),
                     }),
                     CandidateType::Provider => {
                         let provider = winner.endpoint.clone();

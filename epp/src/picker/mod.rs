@@ -95,6 +95,8 @@ pub struct LocalPick {
     pub rewrite_model: Option<String>,
     pub key: EndpointKey,
     pub features: TtftFeatures,
+    /// The prompt's prefix block hashes, for [`Picker::record_prefix`].
+    pub prefix_hashes: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -153,10 +155,12 @@ impl Picker {
         let set = CandidateSet::build(self, &policy, &request, &hashes, incoming.subset);
         let seed = rand::random::<u64>();
         let (decision, tags) = self.evaluate(&policy, &request, &set, incoming, seed).await;
-        let pick = set.to_pick(self, &policy, &request, &decision);
+        let mut pick = set.to_pick(self, &policy, &request, &decision);
         self.metrics.observe_decision(&pick, started.elapsed());
-        if let Pick::Local(local) = &pick {
-            self.prefix.record(local.key, &hashes);
+        if let Pick::Local(local) = &mut pick {
+            // Recorded by the caller once the answer is on its way: a new long
+            // prompt costs a few hundred microseconds to index.
+            local.prefix_hashes = hashes;
         }
         self.recent.push(RecordedDecision {
             at: std::time::SystemTime::now(),
@@ -239,6 +243,11 @@ impl Picker {
                 .and_then(|v| parse_duration(&v).ok())
                 .map(|d| d.as_secs_f64()),
         }
+    }
+
+    /// Remembers that this endpoint now holds the prompt's prefix.
+    pub fn record_prefix(&self, key: EndpointKey, hashes: &[u64]) {
+        self.prefix.record(key, hashes);
     }
 
     /// The gateway reported which endpoint served and how long the first
