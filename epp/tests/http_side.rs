@@ -1,0 +1,131 @@
+//! The EPP's HTTP side: /readyz follows policy and discovery, /metrics
+//! counts decisions, /debug/explain replays recent decisions without prompts;
+//! gRPC health answers the reference EPP's service names.
+
+use std::time::Duration;
+
+use kinference_epp::client::{EppClient, HttpRequest};
+use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::server::{Epp, HEALTH_SERVICES, Settings};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+
+async fn listener() -> (tokio::net::TcpListener, std::net::SocketAddr) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    (l, a)
+}
+
+async fn readiness(addr: std::net::SocketAddr, service: &str) -> i32 {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    client
+        .check(HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .map(|r| r.into_inner().status)
+        .unwrap_or(-1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_and_grpc_health_metrics_and_explain() {
+    let epp = Epp::new(Settings::default());
+    let (http, http_addr) = listener().await;
+    let (grpc, grpc_addr) = listener().await;
+    let (health, health_addr) = listener().await;
+    for (e, l, which) in [
+        (epp.clone(), http, 0),
+        (epp.clone(), grpc, 1),
+        (epp.clone(), health, 2),
+    ] {
+        tokio::spawn(async move {
+            match which {
+                0 => e.serve_http(l, std::future::pending()).await,
+                1 => e.serve_ext_proc(l, std::future::pending()).await,
+                _ => e.serve_health(l, std::future::pending()).await,
+            }
+        });
+    }
+    let get = |path: &'static str| async move {
+        let r = reqwest::get(format!("http://{http_addr}{path}"))
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(get("/healthz").await.0, 200);
+    let (status, why) = get("/readyz").await;
+    assert_eq!((status, why.as_str()), (503, "no policy loaded"));
+    assert_eq!(
+        readiness(health_addr, "readiness").await,
+        2,
+        "NOT_SERVING before a policy"
+    );
+    for service in HEALTH_SERVICES.iter().filter(|s| **s != "readiness") {
+        assert_eq!(
+            readiness(health_addr, service).await,
+            1,
+            "{service} SERVING"
+        );
+    }
+
+    epp.policy()
+        .load_text("pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: only\n    route: { select: [{ minimize: QueueDepth }] }\n")
+        .unwrap();
+    assert_eq!(
+        get("/readyz").await,
+        (503, "endpoint discovery has not synced".to_string())
+    );
+    // The endpoint has no live server: it has no metrics, so QueueDepth
+    // excludes it and the request is rejected — a decision all the same.
+    let spec = EndpointSpec::new("127.0.0.1:9", &["qwen"]);
+    epp.registry()
+        .replace_all(endpoints_from_specs([spec]).unwrap());
+    epp.registry().mark_synced();
+    assert_eq!(get("/readyz").await.0, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        readiness(health_addr, "readiness").await,
+        1,
+        "SERVING once ready"
+    );
+
+    let client = EppClient::connect(grpc_addr).await.unwrap();
+    let secret_prompt = "my secret prompt text";
+    let body = serde_json::json!({"model": "qwen", "messages": [{"role": "user", "content": secret_prompt}]});
+    let request = HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap())
+        .header("authorization", "Bearer sk-should-not-leak");
+    let (outcome, _) = client.decide(&request).await.unwrap();
+    assert_eq!(outcome.status(), Some(503));
+
+    let (_, metrics) = get("/metrics").await;
+    assert!(
+        metrics.contains("kinference_epp_decisions_total{rule=\"only\",outcome=\"reject\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kinference_epp_endpoint_metrics_stale{"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kinference_epp_policy_info{hash="),
+        "{metrics}"
+    );
+    let (_, explain) = get("/debug/explain").await;
+    let traces: serde_json::Value = serde_json::from_str(&explain).unwrap();
+    assert_eq!(traces[0]["decision"]["action"], "reject");
+    assert_eq!(traces[0]["trace"]["rules"][0]["rule"], "only");
+    assert!(
+        !explain.contains(secret_prompt),
+        "no prompt text in explain"
+    );
+    assert!(
+        !explain.contains("sk-should-not-leak"),
+        "no credentials in explain"
+    );
+}
