@@ -102,6 +102,24 @@ impl Harness {
         panic!("endpoints never got metrics");
     }
 
+    /// A raw ext_proc stream fed from `rx`, for tests that need every reply.
+    async fn raw_stream(
+        &self,
+        rx: tokio::sync::mpsc::Receiver<
+            envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest,
+        >,
+    ) -> tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse> {
+        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+        let mut raw = ExternalProcessorClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+            .max_decoding_message_size(1 << 24);
+        raw.process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     fn addr_of(&self, i: usize) -> String {
         self.sims[i].addr().to_string()
     }
@@ -174,15 +192,7 @@ async fn streamed_mode_holds_headers_and_returns_the_body_in_chunks() {
     for m in request.messages() {
         tx.send(m).await.unwrap();
     }
-    let mut raw = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::connect(format!("http://{}", h.addr))
-        .await
-        .unwrap()
-        .max_decoding_message_size(1 << 24);
-    let mut inbound = raw
-        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut inbound = h.raw_stream(rx).await;
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as R;
     let first = inbound.message().await.unwrap().unwrap();
     // The first answer is the held headers response, carrying the destination.
@@ -384,11 +394,7 @@ async fn bad_input_gets_a_clear_4xx_and_other_streams_keep_working() {
         for m in messages.iter().take(messages.len() / 2) {
             tx.send(m.clone()).await.unwrap();
         }
-        let mut raw = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::connect(format!("http://{}", h.addr)).await.unwrap();
-        let stream = raw
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap();
+        let stream = h.raw_stream(rx).await;
         drop(tx);
         drop(stream);
     }

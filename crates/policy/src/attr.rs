@@ -287,23 +287,12 @@ impl fmt::Display for CandidateAttr {
 }
 
 /// Built-in classifier types and every tag each may emit, so the compiler can
-/// tell a typo (`pii-confimed`) from a real tag.
+/// tell a typo (`pii-confimed`) from a real tag. The classifiers own the list.
 pub fn builtin_classifier_tags(kind: &str) -> Option<&'static [&'static str]> {
-    Some(match kind {
-        "pii" => &[
-            "pii-confirmed",
-            "pii-suspected",
-            "pii-none",
-            "pii-unknown",
-            "ssn-confirmed",
-            "ssn-suspected",
-            "ssn-none",
-            "ssn-unknown",
-        ],
-        "complexity" => &["complexity-low", "complexity-medium", "complexity-high"],
-        "code" => &["code-confirmed", "code-none", "code-unknown"],
-        _ => return None,
-    })
+    // Exact names only: the policy names what the EPP will run.
+    kinference_classifiers::BuiltinKind::parse(kind)
+        .filter(|k| k.name() == kind)
+        .map(|k| k.tags())
 }
 
 pub const CLASSIFIER_TYPES: &[&str] = &["pii", "complexity", "code", "http"];
