@@ -72,6 +72,60 @@ async fn condition(
     Some((c.status, c.message))
 }
 
+/// The API server's own printing of InferencePolicies (the Table kubectl
+/// asks for), rendered as kubectl lays it out.
+async fn printed_table(client: &kube::Client) -> anyhow::Result<String> {
+    let request = http::Request::get(format!(
+        "/apis/kinference.io/v1alpha1/namespaces/{NS}/inferencepolicies"
+    ))
+    .header("accept", "application/json;as=Table;g=meta.k8s.io;v=v1")
+    .body(Vec::new())?;
+    let table: serde_json::Value = serde_json::from_str(&client.request_text(request).await?)?;
+    let mut rows: Vec<Vec<String>> = vec![
+        table["columnDefinitions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_uppercase())
+            .collect(),
+    ];
+    for row in table["rows"].as_array().unwrap() {
+        rows.push(
+            row["cells"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| match c {
+                    serde_json::Value::String(s) => s.clone(),
+                    serde_json::Value::Null => "<none>".into(),
+                    other => other.to_string(),
+                })
+                .collect(),
+        );
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, String::len))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    Ok(rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start().await?;
@@ -206,6 +260,15 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
         (status == "True").then_some(())
     })
     .await;
+
+    // What `kubectl get inferencepolicy` prints: the server-side table.
+    let table = printed_table(&client).await?;
+    println!("{table}");
+    assert!(
+        table.starts_with("NAME  ACCEPTED  READY  POOL  RULES  AGE"),
+        "{table}"
+    );
+    assert!(table.contains("chat  True      True   chat  1"), "{table}");
 
     // The API server goes away and comes back: the EPP keeps routing from
     // what it knows, then picks up a new Pod and a policy edit.
