@@ -99,7 +99,6 @@ pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) ->
             // Expanded by the kubelet from the downward-API env below: the EPP
             // annotates its own Pod with the policy hash it has loaded.
             "--pod-name=$(POD_NAME)".into(),
-            "--pod-namespace=$(POD_NAMESPACE)".into(),
         ]),
         env: Some(vec![
             field_env("POD_NAME", "metadata.name"),
