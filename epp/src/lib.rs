@@ -4,10 +4,11 @@
 #![forbid(unsafe_code)]
 
 pub mod classify;
+pub mod cli;
 pub mod client;
 pub mod endpoints;
-pub mod gateway;
 pub mod extproc;
+pub mod gateway;
 pub mod k8s;
 pub mod metrics;
 pub mod picker;

@@ -2,64 +2,15 @@
 #![forbid(unsafe_code)]
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use kinference_epp::cli::Args;
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
 use kinference_epp::server::{Epp, Settings, bind};
-
-#[derive(Parser, Debug)]
-#[command(
-    name = "kinference-epp",
-    version,
-    about = "Kinference endpoint picker (Envoy ext_proc)"
-)]
-struct Args {
-    /// ext_proc gRPC port.
-    #[arg(long, default_value_t = 9002)]
-    grpc_port: u16,
-    /// gRPC health port.
-    #[arg(long, default_value_t = 9003)]
-    grpc_health_port: u16,
-    /// HTTP port for /metrics, /healthz, /readyz, /debug/explain.
-    #[arg(long, default_value_t = 9090)]
-    metrics_port: u16,
-    /// ConfigMap holding the compiled policy (watched through the API).
-    #[arg(long, conflicts_with = "policy_file")]
-    policy_configmap: Option<String>,
-    /// A policy file instead (YAML/JSON, bare or InferencePolicy); reloaded on change.
-    #[arg(long)]
-    policy_file: Option<PathBuf>,
-    /// Namespace of the pool, its ConfigMap and Secrets.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
-    namespace: String,
-    /// This Pod's name, to report the loaded policy hash on it.
-    #[arg(long, env = "POD_NAME")]
-    pod_name: Option<String>,
-    /// Standalone mode: endpoints from this file instead of Pod discovery.
-    #[arg(long)]
-    endpoints_file: Option<PathBuf>,
-    /// Larger request bodies are refused with 413.
-    #[arg(long, default_value_t = 16 * 1024 * 1024)]
-    max_body_bytes: usize,
-    /// Honour the Gateway API Inference Extension conformance suite's test
-    /// header and echo the served endpoint. Never enable in production.
-    #[arg(long, default_value_t = false)]
-    enable_conformance_hooks: bool,
-    #[arg(long, default_value_t = 50)]
-    scrape_interval_ms: u64,
-    /// Serve ext_proc over TLS with a self-signed certificate (the reference
-    /// EPP's default); `--secure-serving=false` for plaintext.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    secure_serving: bool,
-    /// Log as JSON (default) or human-readable text.
-    #[arg(long, default_value_t = false)]
-    text_logs: bool,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
