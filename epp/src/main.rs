@@ -16,6 +16,8 @@ use kinference_epp::server::{Epp, Settings, bind};
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logs(args.text_logs);
+    // Compile the classifiers' patterns now, not on the first request.
+    kinference_classifiers::warm_up();
     let epp = Epp::new(Settings {
         ext_proc: ExtProcConfig {
             max_body_bytes: args.max_body_bytes,

@@ -68,12 +68,18 @@ impl CodeEvidence {
     }
 }
 
+/// Stops reading at the first proof of code: nothing after it can change the
+/// verdict, and pasted sources are the long prompts.
 pub fn classify_code(prompt: &str) -> CodeVerdict {
-    analyze(prompt).verdict()
+    scan(prompt, true).verdict()
 }
 
-/// Scans the prompt line by line. Linear in its length.
+/// Scans the whole prompt line by line. Linear in its length.
 pub fn analyze(prompt: &str) -> CodeEvidence {
+    scan(prompt, false)
+}
+
+fn scan(prompt: &str, stop_when_confirmed: bool) -> CodeEvidence {
     let mut ev = CodeEvidence::default();
     let mut fence: Option<Fence> = None;
     let mut cluster = Cluster::default();
@@ -82,9 +88,18 @@ pub fn analyze(prompt: &str) -> CodeEvidence {
     for line in prompt.lines() {
         let trimmed = line.trim();
         if let Some(marker) = fence_marker(trimmed) {
+            // A closing fence carries no info string; "```js" inside a block
+            // is content.
+            let closes = trimmed[3..]
+                .trim_start_matches(marker.as_bytes()[0] as char)
+                .trim()
+                .is_empty();
             match fence.take() {
-                Some(open) if open.marker == marker => {
+                Some(open) if open.marker == marker && closes => {
                     ev.fenced_blocks += usize::from(open.counts());
+                    if stop_when_confirmed && ev.fenced_blocks > 0 {
+                        return ev;
+                    }
                     continue;
                 }
                 Some(open) => fence = Some(open),
@@ -100,8 +115,15 @@ pub fn analyze(prompt: &str) -> CodeEvidence {
         ev.lines += 1;
         if let Some(open) = fence.as_mut() {
             open.content_lines += 1;
-            open.code_lines += usize::from(line_is_code(trimmed));
-            continue;
+            // Blocks labelled as prose or logs are read like the rest of the
+            // prompt, since code pasted into them is still code.
+            if !open.is_prose() {
+                // Only unlabelled blocks are judged by their lines.
+                if open.lang.is_empty() {
+                    open.code_lines += usize::from(line_is_code(trimmed));
+                }
+                continue;
+            }
         }
         // An indented line under a line of code continues it (Python bodies,
         // YAML children), but indentation alone proves nothing in prose.
@@ -114,6 +136,9 @@ pub fn analyze(prompt: &str) -> CodeEvidence {
         cluster.push(is_code);
         ev.largest_cluster = ev.largest_cluster.max(cluster.len);
         prev_code = is_code;
+        if stop_when_confirmed && ev.largest_cluster >= CLUSTER_LINES {
+            return ev;
+        }
     }
     // An unterminated fence still delimits what the user meant as code.
     if let Some(open) = fence {
@@ -170,12 +195,27 @@ impl Fence {
         }
     }
 
+    fn is_prose(&self) -> bool {
+        const PROSE: &[&str] = &[
+            "text",
+            "txt",
+            "plaintext",
+            "plain",
+            "markdown",
+            "md",
+            "log",
+            "output",
+            "email",
+            "quote",
+        ];
+        PROSE.contains(&self.lang.as_str())
+    }
+
     /// Fences are also used for quoting prose, logs and emails, so a block
-    /// counts as code if its label says so or, unlabelled, if it has a line
-    /// that looks like code.
+    /// counts as code if its label names a language or, unlabelled, if it
+    /// has a line that looks like code.
     fn counts(&self) -> bool {
-        const PROSE: &[&str] = &["text", "txt", "plaintext", "plain", "markdown", "md", "log", "output", "email", "quote"];
-        if self.content_lines == 0 || PROSE.contains(&self.lang.as_str()) {
+        if self.content_lines == 0 || self.is_prose() {
             return false;
         }
         !self.lang.is_empty() || self.code_lines > 0
@@ -220,20 +260,143 @@ fn matches_code_pattern(line: &str) -> bool {
 /// regex set. A unit test checks that it never rejects a line the set accepts.
 fn may_be_code(line: &str) -> bool {
     const FIRST_WORDS: &[&str] = &[
-        "def", "class", "async", "if", "elif", "while", "for", "else", "try", "finally", "except",
-        "with", "return", "yield", "raise", "await", "import", "from", "use", "package", "using",
-        "require", "mod", "pub", "fn", "const", "unsafe", "public", "private", "protected",
-        "static", "final", "abstract", "override", "internal", "virtual", "export", "default",
-        "function", "let", "var", "interface", "struct", "enum", "trait", "impl", "type", "union",
-        "switch", "catch", "foreach", "int", "void", "char", "float", "double", "bool", "long",
-        "unsigned", "size_t", "auto", "String", "val", "func", "go", "curl", "wget", "ssh", "scp",
-        "tar", "grep", "sed", "awk", "chmod", "chown", "ls", "rm", "cp", "mv", "cat", "echo",
-        "mkdir", "cd", "set", "sudo", "npm", "yarn", "pnpm", "pip", "pip3", "cargo", "docker",
-        "kubectl", "git", "apt-get", "apt", "brew", "helm", "terraform", "Traceback", "File",
-        "panicked", "error", "warning", "FROM", "RUN", "COPY", "ADD", "WORKDIR", "CMD",
-        "ENTRYPOINT", "ENV", "EXPOSE", "ARG", "SELECT", "INSERT", "UPDATE", "DELETE", "CREATE",
-        "ALTER", "DROP", "WHERE", "JOIN", "LEFT", "INNER", "RIGHT", "GROUP", "ORDER", "HAVING",
-        "select", "std", "apiVersion", "kind", "metadata", "spec", "services", "version",
+        "def",
+        "class",
+        "async",
+        "if",
+        "elif",
+        "while",
+        "for",
+        "else",
+        "try",
+        "finally",
+        "except",
+        "with",
+        "return",
+        "yield",
+        "raise",
+        "await",
+        "import",
+        "from",
+        "use",
+        "package",
+        "using",
+        "require",
+        "mod",
+        "pub",
+        "fn",
+        "const",
+        "unsafe",
+        "public",
+        "private",
+        "protected",
+        "static",
+        "final",
+        "abstract",
+        "override",
+        "internal",
+        "virtual",
+        "export",
+        "default",
+        "function",
+        "let",
+        "var",
+        "interface",
+        "struct",
+        "enum",
+        "trait",
+        "impl",
+        "type",
+        "union",
+        "switch",
+        "catch",
+        "foreach",
+        "int",
+        "void",
+        "char",
+        "float",
+        "double",
+        "bool",
+        "long",
+        "unsigned",
+        "size_t",
+        "auto",
+        "String",
+        "val",
+        "func",
+        "go",
+        "curl",
+        "wget",
+        "ssh",
+        "scp",
+        "tar",
+        "grep",
+        "sed",
+        "awk",
+        "chmod",
+        "chown",
+        "ls",
+        "rm",
+        "cp",
+        "mv",
+        "cat",
+        "echo",
+        "mkdir",
+        "cd",
+        "set",
+        "sudo",
+        "npm",
+        "yarn",
+        "pnpm",
+        "pip",
+        "pip3",
+        "cargo",
+        "docker",
+        "kubectl",
+        "git",
+        "apt-get",
+        "apt",
+        "brew",
+        "helm",
+        "terraform",
+        "Traceback",
+        "File",
+        "panicked",
+        "error",
+        "warning",
+        "FROM",
+        "RUN",
+        "COPY",
+        "ADD",
+        "WORKDIR",
+        "CMD",
+        "ENTRYPOINT",
+        "ENV",
+        "EXPOSE",
+        "ARG",
+        "SELECT",
+        "INSERT",
+        "UPDATE",
+        "DELETE",
+        "CREATE",
+        "ALTER",
+        "DROP",
+        "WHERE",
+        "JOIN",
+        "LEFT",
+        "INNER",
+        "RIGHT",
+        "GROUP",
+        "ORDER",
+        "HAVING",
+        "select",
+        "std",
+        "apiVersion",
+        "kind",
+        "metadata",
+        "spec",
+        "services",
+        "version",
     ];
     let b = line.as_bytes();
     let (mut colon, mut quote) = (false, false);
@@ -278,7 +441,9 @@ fn looks_like_prose(line: &str) -> bool {
             w.chars().all(char::is_alphabetic) && !shouting
         })
         .count();
-    let syntax = line.matches(['(', ')', '{', '}', '=', ';', '[', ']', '<', '>']).count();
+    let syntax = line
+        .matches(['(', ')', '{', '}', '=', ';', '[', ']', '<', '>'])
+        .count();
     words >= 8 && plain_words * 4 >= words * 3 && syntax <= 2
 }
 
@@ -308,6 +473,14 @@ fn is_symbolic(prompt: &str) -> bool {
         .filter(|c| "{}[]()<>=;+-*/%&|!^~:.$@#\\".contains(*c))
         .count();
     symbols * 5 >= visible && has_code_punctuation(trimmed)
+}
+
+/// Compiles every pattern of this module now rather than on first use.
+pub(crate) fn warm_up() {
+    LazyLock::force(&CODE_LINE_START);
+    LazyLock::force(&CODE_LINE_ANYWHERE);
+    LazyLock::force(&CODE_PUNCTUATION);
+    LazyLock::force(&INLINE);
 }
 
 fn re(pattern: &str) -> Regex {
@@ -397,14 +570,39 @@ mod tests {
     fn fenced_blocks_confirm() {
         assert_eq!(verdict("```python\nx = 1\n```"), CodeVerdict::Confirmed);
         assert_eq!(verdict("~~~\nfoo(bar);\n~~~"), CodeVerdict::Confirmed);
-        assert_eq!(verdict("look:\n```js\nalert(1)"), CodeVerdict::Confirmed, "unterminated");
+        assert_eq!(
+            verdict("look:\n```js\nalert(1)"),
+            CodeVerdict::Confirmed,
+            "unterminated"
+        );
+    }
+
+    #[test]
+    fn fence_edge_cases() {
+        // Code in a block labelled as text is still read as code.
+        let p = "```text\nlet a = 1;\nlet b = 2;\nlet c = a + b;\n```";
+        assert_eq!(verdict(p), CodeVerdict::Confirmed, "{:?}", analyze(p));
+        // An info string does not close a block.
+        let p = "```\nDear Anna,\n```js\nthanks\n```";
+        assert_eq!(verdict(p), CodeVerdict::None, "{:?}", analyze(p));
+        assert_eq!(verdict("````\nfoo(1);\n````"), CodeVerdict::Confirmed);
     }
 
     #[test]
     fn prose_in_fences_does_not_confirm() {
-        assert_eq!(verdict("```text\nDear Sir, thanks.\n```"), CodeVerdict::None);
-        assert_eq!(verdict("```\nHello Anna, see you soon\n```"), CodeVerdict::None);
-        assert_eq!(verdict("```\n```"), CodeVerdict::Unknown, "nothing but an empty fence");
+        assert_eq!(
+            verdict("```text\nDear Sir, thanks.\n```"),
+            CodeVerdict::None
+        );
+        assert_eq!(
+            verdict("```\nHello Anna, see you soon\n```"),
+            CodeVerdict::None
+        );
+        assert_eq!(
+            verdict("```\n```"),
+            CodeVerdict::Unknown,
+            "nothing but an empty fence"
+        );
     }
 
     #[test]
@@ -423,7 +621,12 @@ mod tests {
 
     #[test]
     fn single_lines_are_unknown() {
-        for p in ["x = foo(bar);", "print('hi')", "a => a + 1", "Why does `vec.len()` panic?"] {
+        for p in [
+            "x = foo(bar);",
+            "print('hi')",
+            "a => a + 1",
+            "Why does `vec.len()` panic?",
+        ] {
             assert_eq!(verdict(p), CodeVerdict::Unknown, "{p}: {:?}", analyze(p));
         }
     }
@@ -439,6 +642,19 @@ mod tests {
             "Make sure the oven is hot; then bake it.",
         ] {
             assert_eq!(verdict(p), CodeVerdict::None, "{p}: {:?}", analyze(p));
+        }
+    }
+
+    #[test]
+    fn early_stop_agrees_with_full_scan() {
+        for p in [
+            "a\n```py\nx = 1\n```\nmore",
+            "let a = 1;\nlet b = 2;\nlet c = 3;\nprose",
+            "prose only here",
+            "x = 1",
+            "",
+        ] {
+            assert_eq!(classify_code(p), analyze(p).verdict(), "{p:?}");
         }
     }
 
@@ -489,7 +705,9 @@ mod tests {
 
     #[test]
     fn minified_line() {
-        assert!(line_is_code("function f(a){return a*2;} var x = f(3); console.log(x);"));
+        assert!(line_is_code(
+            "function f(a){return a*2;} var x = f(3); console.log(x);"
+        ));
         assert!(!line_is_code("We met; we talked; we left."));
     }
 

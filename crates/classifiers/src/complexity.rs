@@ -42,6 +42,7 @@ pub const HIGH_FROM: u32 = 6;
 /// The measurements the score is computed from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Features {
+    /// Whitespace-separated tokens.
     pub words: usize,
     pub questions: usize,
     /// Lines that start a numbered or bulleted item.
@@ -49,6 +50,10 @@ pub struct Features {
     /// Inline sub-question markers such as `(a)`, `(b)`.
     pub parts: usize,
     /// Distinct reasoning cues ("prove", "trade-offs", "step by step", ...).
+    ///
+    /// Cue counts (this and the four below) are exact until every one of them
+    /// reaches the cap [`Features::score`] applies; the scan stops there,
+    /// because no further cue could change the score.
     pub reasoning: usize,
     /// Distinct task cues that ask for produced content ("write", "explain").
     pub tasks: usize,
@@ -83,8 +88,8 @@ impl Features {
         } else {
             u32::from(self.list_items >= 2 || self.parts >= 2)
         };
-        let chained = u32::from(self.chained_instructions >= 2)
-            + u32::from(self.chained_instructions >= 3);
+        let chained =
+            u32::from(self.chained_instructions >= 2) + u32::from(self.chained_instructions >= 3);
         let constraints = u32::from(self.constraints >= 3) + u32::from(self.constraints >= 6);
         let math = u32::from(self.math >= 1) + u32::from(self.math >= 3);
         let code = u32::from(self.code);
@@ -185,6 +190,17 @@ struct Cues {
     constraints: usize,
 }
 
+impl Cues {
+    /// Every cue count is at or above the cap applied in [`Features::score`].
+    fn saturated(&self) -> bool {
+        self.reasoning.count_ones() >= 4
+            && self.tasks.count_ones() >= 2
+            && self.math.count_ones() >= 3
+            && self.chained >= 3
+            && self.constraints >= 6
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Role {
     Reasoning(u8),
@@ -207,10 +223,22 @@ const REASONING: &[&[&str]] = &[
     &["prove", "proves", "proving", "proof", "proofs"],
     &["derive", "derives", "deriving", "derivation*"],
     &["rigorous*"],
-    &["formalize", "formalise", "formal logic", "first-order logic"],
+    &[
+        "formalize",
+        "formalise",
+        "formal logic",
+        "first-order logic",
+    ],
     &["theorem*", "lemma*"],
     &["step by step", "step-by-step"],
-    &["analyze", "analyse", "analyzing", "analysing", "analysis", "analyses"],
+    &[
+        "analyze",
+        "analyse",
+        "analyzing",
+        "analysing",
+        "analysis",
+        "analyses",
+    ],
     &["design", "designing"],
     &["architect*"],
     &["compare", "comparing", "comparison*"],
@@ -228,18 +256,39 @@ const REASONING: &[&[&str]] = &[
     &["strategy", "strategies"],
     &["mitigat*"],
     &["distributed"],
-    &["concurren*", "thread-safe", "race condition*", "data race*", "lock-free", "memory model", "memory ordering"],
+    &[
+        "concurren*",
+        "thread-safe",
+        "race condition*",
+        "data race*",
+        "lock-free",
+        "memory model",
+        "memory ordering",
+    ],
     &["consistency", "consistent hashing"],
     &["scalab*", "shard*"],
     &["benchmark*"],
     &["hypothes*"],
-    &["confounder*", "statistical*", "power analysis", "randomi*", "sample size", "experiment*"],
+    &[
+        "confounder*",
+        "statistical*",
+        "power analysis",
+        "randomi*",
+        "sample size",
+        "experiment*",
+    ],
     &["pros and cons"],
     &["first principles"],
     &["implications"],
     &["hidden premise*", "fallac*"],
     &["show that", "generalize", "generalise"],
-    &["root cause*", "investigat*", "diagnos*", "remediat*", "troubleshoot*"],
+    &[
+        "root cause*",
+        "investigat*",
+        "diagnos*",
+        "remediat*",
+        "troubleshoot*",
+    ],
     &["assumption*"],
     &["choice between", "choose between", "which is better"],
 ];
@@ -251,21 +300,59 @@ const TASKS: &[&[&str]] = &[
     &["create", "creating"],
     &["summarize", "summarise", "summary"],
     &["describe"],
-    &["rewrite", "refactor*"],
+    &["rewrite", "refactor*", "proofread*"],
     &["implement*"],
     &["plan", "outline*", "itinerary"],
     &["difference between", "differences between"],
     &["how do", "how does", "how can", "how should", "how would"],
     &["why", "cause", "caused"],
-    &["debug*", "fix this code", "fix the code", "fix my code", "fix this bug", "fix the bug", "fix this error", "fix the error"],
+    &[
+        "debug*",
+        "fix this code",
+        "fix the code",
+        "fix my code",
+        "fix this bug",
+        "fix the bug",
+        "fix this error",
+        "fix the error",
+    ],
     &["recommend*", "suggest*"],
 ];
 
 const MATH_WORDS: &[&[&str]] = &[
-    &["integral*", "derivative*", "eigen*", "matrix", "matrices", "determinant*", "polynomial*", "differential equation*"],
-    &["probability", "variance", "expected value", "random variable*", "distribution*"],
-    &["modulo", "prime", "primes", "composite", "divisib*", "integer*"],
-    &["sqrt", "converge*", "limit", "limits", "sequence*", "series"],
+    &[
+        "integral*",
+        "derivative*",
+        "eigen*",
+        "matrix",
+        "matrices",
+        "determinant*",
+        "polynomial*",
+        "differential equation*",
+    ],
+    &[
+        "probability",
+        "variance",
+        "expected value",
+        "random variable*",
+        "distribution*",
+    ],
+    &[
+        "modulo",
+        "prime",
+        "primes",
+        "composite",
+        "divisib*",
+        "integer*",
+    ],
+    &[
+        "sqrt",
+        "converge*",
+        "limit",
+        "limits",
+        "sequence*",
+        "series",
+    ],
 ];
 
 /// Math cue ids beyond the word groups, found by [`symbolic_math`].
@@ -275,22 +362,74 @@ const MATH_POWER: u8 = 6;
 const MATH_SUBSCRIPT: u8 = 7;
 
 const CONSTRAINTS: &[&str] = &[
-    "must", "should", "without", "at least", "at most", "no more than", "ensure", "make sure",
-    "handle", "including", "avoid", "exactly", "only", "each", "every", "per",
+    "must",
+    "should",
+    "without",
+    "at least",
+    "at most",
+    "no more than",
+    "ensure",
+    "make sure",
+    "handle",
+    "including",
+    "avoid",
+    "exactly",
+    "only",
+    "each",
+    "every",
+    "per",
 ];
 
 // An imperative verb right after a clause boundary is one more thing the
 // answer must do.
 const VERBS: &[&str] = &[
-    "explain", "describe", "list", "propose", "compare", "analyze", "analyse", "design", "prove",
-    "derive", "estimate", "justify", "recommend", "discuss", "identify", "evaluate", "write",
-    "show", "find", "compute", "build", "rank", "enumerate", "verify", "summarize", "summarise",
-    "outline", "suggest", "define", "plan", "diagnose", "implement", "test", "benchmark",
+    "explain",
+    "describe",
+    "list",
+    "propose",
+    "compare",
+    "analyze",
+    "analyse",
+    "design",
+    "prove",
+    "derive",
+    "estimate",
+    "justify",
+    "recommend",
+    "discuss",
+    "identify",
+    "evaluate",
+    "write",
+    "show",
+    "find",
+    "compute",
+    "build",
+    "rank",
+    "enumerate",
+    "verify",
+    "summarize",
+    "summarise",
+    "outline",
+    "suggest",
+    "define",
+    "plan",
+    "diagnose",
+    "implement",
+    "test",
+    "benchmark",
 ];
 
 struct CueTable {
     search: Regex,
     roles: HashMap<&'static str, Vec<Variant>>,
+}
+
+/// Compiles every pattern of this module now rather than on first use.
+pub(crate) fn warm_up() {
+    LazyLock::force(&CUES);
+    LazyLock::force(&LATEX);
+    LazyLock::force(&POWER);
+    LazyLock::force(&SUBSCRIPT);
 }
 
 static CUES: LazyLock<CueTable> = LazyLock::new(|| {
@@ -317,7 +456,11 @@ static CUES: LazyLock<CueTable> = LazyLock::new(|| {
     // win over "how do".
     let mut words: Vec<&str> = roles.keys().copied().collect();
     words.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
-    let pattern = words.iter().map(|w| regex::escape(w)).collect::<Vec<_>>().join("|");
+    let pattern = words
+        .iter()
+        .map(|w| regex::escape(w))
+        .collect::<Vec<_>>()
+        .join("|");
     CueTable {
         search: Regex::new(&pattern).expect("literal alternation compiles"),
         roles,
@@ -328,6 +471,9 @@ fn scan_cues(lower: &str) -> Cues {
     let b = lower.as_bytes();
     let mut cues = Cues::default();
     for m in CUES.search.find_iter(lower) {
+        if cues.saturated() {
+            break;
+        }
         if m.start() > 0 && b[m.start() - 1].is_ascii_alphanumeric() {
             continue;
         }
@@ -371,7 +517,9 @@ fn follows_clause_boundary(b: &[u8], start: usize) -> bool {
     if word_before(i) == b"also" {
         i = skip_blanks(i - 4);
     }
-    i > 0 && (matches!(b[i - 1], b',' | b';' | b':' | b'.') || matches!(word_before(i), b"and" | b"then"))
+    i > 0
+        && (matches!(b[i - 1], b',' | b';' | b':' | b'.')
+            || matches!(word_before(i), b"and" | b"then"))
 }
 
 /// Math written with symbols rather than words, as bits at the `MATH_*` ids.
@@ -393,7 +541,11 @@ fn symbolic_math(prompt: &str) -> u64 {
                 .take(chunk.len())
                 .any(|w| w[0] == 0xE2 && (w[1] == 0x88 || w[1] == 0x89))
     });
-    if math_block && prompt.contains(['∫', '∑', '∏', '√', '∂', '∞', '≤', '≥', '≠', '≈', '∈', '∀', '∃']) {
+    if math_block
+        && prompt.contains([
+            '∫', '∑', '∏', '√', '∂', '∞', '≤', '≥', '≠', '≈', '∈', '∀', '∃',
+        ])
+    {
         bits |= 1 << MATH_SYMBOLS;
     }
     if prompt.contains('^') && POWER.is_match(prompt) {
@@ -414,7 +566,8 @@ static POWER: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"[a-z0-9)]\^[0-9a-z({]").expect("built-in pattern compiles"));
 
 static SUBSCRIPT: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"[a-z]_\{|(?-u:\b)[a-z]_(?:[0-9]|n|i|k)(?-u:\b)").expect("built-in pattern compiles")
+    Regex::new(r"[a-z]_\{|(?-u:\b)[a-z]_(?:[0-9]|n|i|k)(?-u:\b)")
+        .expect("built-in pattern compiles")
 });
 
 #[cfg(test)]
@@ -423,7 +576,13 @@ mod tests {
 
     #[test]
     fn short_lookups_are_low() {
-        for p in ["", "hi", "What is the capital of France?", "Translate 'cat' to German.", "thanks!"] {
+        for p in [
+            "",
+            "hi",
+            "What is the capital of France?",
+            "Translate 'cat' to German.",
+            "thanks!",
+        ] {
             assert_eq!(classify_complexity(p), Level::Low, "{p}");
         }
     }
@@ -435,7 +594,12 @@ mod tests {
             "Write a haiku about autumn leaves falling into a quiet river at dusk.",
             "What are the differences between a list and a tuple in Python?",
         ] {
-            assert_eq!(classify_complexity(p), Level::Medium, "{p}: {:?}", features(p));
+            assert_eq!(
+                classify_complexity(p),
+                Level::Medium,
+                "{p}: {:?}",
+                features(p)
+            );
         }
     }
 
@@ -445,7 +609,12 @@ mod tests {
             "Prove that the square root of 2 is irrational, step by step, with a rigorous argument.",
             "Design a sharded key-value store, compare leader-based and leaderless replication, and analyze the consistency trade-offs.",
         ] {
-            assert_eq!(classify_complexity(p), Level::High, "{p}: {:?}", features(p));
+            assert_eq!(
+                classify_complexity(p),
+                Level::High,
+                "{p}: {:?}",
+                features(p)
+            );
         }
     }
 
@@ -466,10 +635,15 @@ mod tests {
 
     #[test]
     fn chained_instructions() {
-        let f = features("Read it, then summarize the plot, list the characters and explain the ending.");
+        let f = features(
+            "Read it, then summarize the plot, list the characters and explain the ending.",
+        );
         assert_eq!(f.chained_instructions, 3);
         assert_eq!(features("I like tea and biscuits.").chained_instructions, 0);
-        assert_eq!(features("do it then explain, also list them").chained_instructions, 2);
+        assert_eq!(
+            features("do it then explain, also list them").chained_instructions,
+            2
+        );
         assert_eq!(features("the band explain").chained_instructions, 0);
     }
 
@@ -477,7 +651,11 @@ mod tests {
     fn cue_words_need_word_boundaries() {
         assert_eq!(features("proofread this").reasoning, 0);
         assert_eq!(features("a planet").tasks, 0);
-        assert_eq!(features("optimisation").reasoning, 1, "stems match longer words");
+        assert_eq!(
+            features("optimisation").reasoning,
+            1,
+            "stems match longer words"
+        );
         assert_eq!(features("primary school").math, 0);
     }
 
@@ -499,31 +677,5 @@ mod tests {
     fn long_prompts_are_at_least_medium() {
         let p = "The quick brown fox jumps over the lazy dog. ".repeat(100);
         assert!(classify_complexity(&p) >= Level::Medium);
-    }
-}
-#[cfg(test)]
-mod perf_tmp {
-    use super::*;
-    fn best(mut f: impl FnMut()) -> std::time::Duration {
-        let mut b = std::time::Duration::MAX;
-        for _ in 0..30 { let t = std::time::Instant::now(); f(); b = b.min(t.elapsed()); }
-        b
-    }
-    #[test]
-    #[ignore]
-    fn perf_cx_parts() {
-        for path in ["/tmp/prose.txt", "/tmp/prose2.txt"] {
-            let s = std::fs::read_to_string(path).unwrap();
-            let l = s.to_ascii_lowercase();
-            let _ = features(&s);
-            eprintln!("{path}");
-            eprintln!("find_iter {:?} {}", best(|| { let _ = CUES.search.find_iter(&l).count(); }), CUES.search.find_iter(&l).count());
-            eprintln!("scan_cues {:?}", best(|| { scan_cues(&l); }));
-            eprintln!("words {:?}", best(|| { count_words(&s); }));
-            eprintln!("lists {:?}", best(|| { s.lines().filter(|l| is_list_item(l)).count(); }));
-            eprintln!("parts {:?}", best(|| { distinct_parts(&s); }));
-            eprintln!("symbolic {:?}", best(|| { symbolic_math(&s); }));
-            eprintln!("code {:?}", best(|| { crate::code::analyze(&s); }));
-        }
     }
 }

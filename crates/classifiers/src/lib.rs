@@ -27,7 +27,8 @@ pub enum BuiltinKind {
 
 impl BuiltinKind {
     /// Every built-in kind, in a stable order.
-    pub const ALL: [BuiltinKind; 3] = [BuiltinKind::Pii, BuiltinKind::Complexity, BuiltinKind::Code];
+    pub const ALL: [BuiltinKind; 3] =
+        [BuiltinKind::Pii, BuiltinKind::Complexity, BuiltinKind::Code];
 
     /// Parses the `type` of a classifier declaration. Case-insensitive and
     /// tolerant of surrounding whitespace because it comes from hand-written YAML.
@@ -64,6 +65,22 @@ impl fmt::Display for BuiltinKind {
     }
 }
 
+/// Compiles every built-in pattern now. Patterns are otherwise compiled on
+/// first use, which would add a few milliseconds to the first request that
+/// needs each classifier; a server calls this once at startup.
+pub fn warm_up() {
+    pii::warm_up();
+    complexity::warm_up();
+    code::warm_up();
+    // Run each classifier once so lazily built matcher state exists too.
+    for kind in BuiltinKind::ALL {
+        let _ = classify(
+            kind,
+            "warm up: call +44 20 7946 0958, ssn 536-22-1984, `x = 1`",
+        );
+    }
+}
+
 /// Runs one built-in classifier and returns the tags it emits.
 ///
 /// The PII classifier uses [`pii::DEFAULT_MAX_BYTES`]; call
@@ -87,7 +104,10 @@ mod tests {
             assert_eq!(kind.to_string(), kind.name());
         }
         assert_eq!(BuiltinKind::parse(" PII "), Some(BuiltinKind::Pii));
-        assert_eq!(BuiltinKind::parse("Complexity"), Some(BuiltinKind::Complexity));
+        assert_eq!(
+            BuiltinKind::parse("Complexity"),
+            Some(BuiltinKind::Complexity)
+        );
         assert_eq!(BuiltinKind::parse("http"), None);
         assert_eq!(BuiltinKind::parse(""), None);
     }
@@ -125,10 +145,19 @@ mod tests {
                 let tags = classify(kind, prompt);
                 assert!(!tags.is_empty(), "{kind} emitted nothing for {prompt:?}");
                 for tag in &tags {
-                    assert!(kind.tags().contains(&tag.as_str()), "{kind} emitted undeclared {tag}");
+                    assert!(
+                        kind.tags().contains(&tag.as_str()),
+                        "{kind} emitted undeclared {tag}"
+                    );
                 }
             }
         }
+    }
+
+    #[test]
+    fn warm_up_is_idempotent() {
+        warm_up();
+        warm_up();
     }
 
     #[test]
@@ -138,32 +167,6 @@ mod tests {
             assert_eq!(tags.len(), 2, "{tags:?}");
             assert!(tags[0].starts_with("pii-"));
             assert!(tags[1].starts_with("ssn-"));
-        }
-    }
-}
-#[cfg(test)]
-mod perf_tmp {
-    #[test]
-    #[ignore]
-    fn perf_tmp() {
-        for path in ["/tmp/prose.txt", "/tmp/prose2.txt"] {
-            let s = std::fs::read_to_string(path).unwrap();
-            for kind in crate::BuiltinKind::ALL {
-                let mut best = std::time::Duration::MAX;
-                for _ in 0..30 {
-                    let t = std::time::Instant::now();
-                    let _ = crate::classify(kind, &s);
-                    best = best.min(t.elapsed());
-                }
-                eprintln!("{path} {kind}: min {best:?} {:?}", crate::classify(kind, &s));
-            }
-            let mut best = std::time::Duration::MAX;
-            for _ in 0..30 {
-                let t = std::time::Instant::now();
-                let _ = crate::complexity::features(&s);
-                best = best.min(t.elapsed());
-            }
-            eprintln!("features min {best:?}");
         }
     }
 }

@@ -72,7 +72,10 @@ pub(crate) fn char_classes(s: &str) -> usize {
     let upper = s.bytes().any(|b| b.is_ascii_uppercase());
     let digit = s.bytes().any(|b| b.is_ascii_digit());
     let other = s.chars().any(|c| !c.is_ascii_alphanumeric());
-    [lower, upper, digit, other].into_iter().filter(|&x| x).count()
+    [lower, upper, digit, other]
+        .into_iter()
+        .filter(|&x| x)
+        .count()
 }
 
 #[cfg(test)]

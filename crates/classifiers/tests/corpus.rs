@@ -26,10 +26,19 @@ fn load(name: &str, label_columns: usize) -> Vec<Example> {
         .filter(|(_, l)| !l.starts_with('#') && !l.trim().is_empty())
         .map(|(i, l)| {
             let cols: Vec<&str> = l.splitn(label_columns + 1, '\t').collect();
-            assert_eq!(cols.len(), label_columns + 1, "{}:{}: wrong column count", path.display(), i + 1);
+            assert_eq!(
+                cols.len(),
+                label_columns + 1,
+                "{}:{}: wrong column count",
+                path.display(),
+                i + 1
+            );
             Example {
                 line: i + 1,
-                labels: cols[..label_columns].iter().map(|s| s.to_string()).collect(),
+                labels: cols[..label_columns]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
                 prompt: unescape(cols[label_columns]),
             }
         })
@@ -100,7 +109,10 @@ fn evaluate(pairs: &[(String, String)]) -> BTreeMap<String, Counts> {
 
 fn print_table(title: &str, table: &BTreeMap<String, Counts>) {
     println!("\n{title}");
-    println!("{:<20} {:>7} {:>9} {:>7} {:>9} {:>7}", "label", "support", "predicted", "correct", "precision", "recall");
+    println!(
+        "{:<20} {:>7} {:>9} {:>7} {:>9} {:>7}",
+        "label", "support", "predicted", "correct", "precision", "recall"
+    );
     for (label, c) in table {
         println!(
             "{:<20} {:>7} {:>9} {:>7} {:>9.3} {:>7.3}",
@@ -140,7 +152,10 @@ impl Thresholds<'_> {
                 failures.push(format!("{label}: recall {:.3} < {min_r}", c.recall()));
             }
             if c.support == 0 && c.predicted > 0 {
-                failures.push(format!("{label}: predicted {} times but never expected", c.predicted));
+                failures.push(format!(
+                    "{label}: predicted {} times but never expected",
+                    c.predicted
+                ));
             }
         }
         failures
@@ -162,7 +177,10 @@ fn run_column(
         let expected = &ex.labels[column];
         if &got != expected {
             let shown: String = ex.prompt.chars().take(90).collect();
-            println!("  miss line {}: expected {expected}, got {got}: {shown:?}", ex.line);
+            println!(
+                "  miss line {}: expected {expected}, got {got}: {shown:?}",
+                ex.line
+            );
         }
         pairs.push((expected.clone(), got));
     }
@@ -172,14 +190,15 @@ fn run_column(
 }
 
 fn assert_no_failures(failures: Vec<String>) {
-    assert!(failures.is_empty(), "thresholds not met:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "thresholds not met:\n{}",
+        failures.join("\n")
+    );
 }
 
 const PII_THRESHOLDS: Thresholds<'static> = Thresholds {
-    specific: &[
-        ("pii-confirmed", 0.95, 0.9),
-        ("ssn-confirmed", 0.95, 0.9),
-    ],
+    specific: &[("pii-confirmed", 0.95, 0.9), ("ssn-confirmed", 0.95, 0.9)],
     default: (0.8, 0.8),
 };
 
@@ -192,7 +211,13 @@ fn pii_corpus() {
     let examples = load("pii", 2);
     assert!(examples.len() >= 40, "corpus too small: {}", examples.len());
     let mut failures = run_column("pii", &examples, 0, |p| pii_column(p, 0), &PII_THRESHOLDS);
-    failures.extend(run_column("ssn", &examples, 1, |p| pii_column(p, 1), &PII_THRESHOLDS));
+    failures.extend(run_column(
+        "ssn",
+        &examples,
+        1,
+        |p| pii_column(p, 1),
+        &PII_THRESHOLDS,
+    ));
     assert_no_failures(failures);
 }
 
@@ -239,10 +264,25 @@ fn code_corpus() {
 #[test]
 fn thresholds_reject_constant_classifiers() {
     let cases: [(&str, usize, &[&str], &Thresholds<'static>); 4] = [
-        ("pii", 2, &["pii-none", "pii-confirmed", "pii-suspected"], &PII_THRESHOLDS),
+        (
+            "pii",
+            2,
+            &["pii-none", "pii-confirmed", "pii-suspected"],
+            &PII_THRESHOLDS,
+        ),
         ("pii", 2, &["ssn-none", "ssn-confirmed"], &PII_THRESHOLDS),
-        ("complexity", 1, &["complexity-low", "complexity-medium", "complexity-high"], &COMPLEXITY_THRESHOLDS),
-        ("code", 1, &["code-none", "code-confirmed", "code-unknown"], &CODE_THRESHOLDS),
+        (
+            "complexity",
+            1,
+            &["complexity-low", "complexity-medium", "complexity-high"],
+            &COMPLEXITY_THRESHOLDS,
+        ),
+        (
+            "code",
+            1,
+            &["code-none", "code-confirmed", "code-unknown"],
+            &CODE_THRESHOLDS,
+        ),
     ];
     for (name, columns, constants, thresholds) in cases {
         let examples = load(name, columns);
@@ -253,7 +293,10 @@ fn thresholds_reject_constant_classifiers() {
                 .map(|ex| (ex.labels[column].clone(), (*constant).to_owned()))
                 .collect();
             let failures = thresholds.failures(&evaluate(&pairs));
-            assert!(!failures.is_empty(), "{name}: constant {constant} passes the thresholds");
+            assert!(
+                !failures.is_empty(),
+                "{name}: constant {constant} passes the thresholds"
+            );
         }
     }
 }
@@ -268,7 +311,11 @@ fn corpus_labels_are_declared_tags() {
     ] {
         for ex in load(name, columns) {
             for label in &ex.labels {
-                assert!(kind.tags().contains(&label.as_str()), "{name}:{}: unknown label {label}", ex.line);
+                assert!(
+                    kind.tags().contains(&label.as_str()),
+                    "{name}:{}: unknown label {label}",
+                    ex.line
+                );
             }
         }
     }
@@ -278,6 +325,12 @@ fn corpus_labels_are_declared_tags() {
 #[test]
 fn pii_unknown_over_limit() {
     let prompt = "My SSN is 536-22-1984";
-    assert_eq!(pii::classify_pii_with_limit(prompt, 8), ["pii-unknown", "ssn-unknown"]);
-    assert_eq!(pii::classify_pii_with_limit(prompt, 1024), ["pii-confirmed", "ssn-confirmed"]);
+    assert_eq!(
+        pii::classify_pii_with_limit(prompt, 8),
+        ["pii-unknown", "ssn-unknown"]
+    );
+    assert_eq!(
+        pii::classify_pii_with_limit(prompt, 1024),
+        ["pii-confirmed", "ssn-confirmed"]
+    );
 }

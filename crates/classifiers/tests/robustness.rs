@@ -28,11 +28,16 @@ fn prose(target_bytes: usize) -> String {
 }
 
 fn timed(kind: BuiltinKind, prompt: &str) -> Vec<String> {
+    kinference_classifiers::warm_up();
     let start = Instant::now();
     let tags = classify(kind, prompt);
     // Printed, not asserted: debug builds and shared CI machines are too noisy
     // for timing assertions. Use `--release -- --nocapture` to read them.
-    println!("{kind}: {} bytes in {:?} -> {tags:?}", prompt.len(), start.elapsed());
+    println!(
+        "{kind}: {} bytes in {:?} -> {tags:?}",
+        prompt.len(),
+        start.elapsed()
+    );
     tags
 }
 
@@ -53,14 +58,19 @@ fn large_prompt_with_evidence_at_the_end() {
     prompt.push_str(&prose(110 * 1024));
     prompt.push_str("\nFinally, my SSN is 536-22-1984 and my email is r.okafor@fastmail.fm.");
     assert!(prompt.len() >= 220 * 1024);
-    assert_eq!(timed(BuiltinKind::Pii, &prompt), ["pii-confirmed", "ssn-confirmed"]);
+    assert_eq!(
+        timed(BuiltinKind::Pii, &prompt),
+        ["pii-confirmed", "ssn-confirmed"]
+    );
     assert_eq!(timed(BuiltinKind::Code, &prompt), ["code-confirmed"]);
     let _ = timed(BuiltinKind::Complexity, &prompt);
 }
 
 #[test]
 fn large_adversarial_prompts() {
-    // Shapes that stress the scanners: endless digits, separators, tokens.
+    // Shapes that stress the scanners: endless digits, separators, tokens,
+    // keywords and dense evidence. Each must stay linear (a quadratic scan
+    // here takes minutes in a debug build, so it shows up as a slow test).
     let cases = [
         "1".repeat(220 * 1024),
         "1-".repeat(110 * 1024),
@@ -70,7 +80,13 @@ fn large_adversarial_prompts() {
         "{;".repeat(110 * 1024),
         "`".repeat(220 * 1024),
         "password=".repeat(24 * 1024),
+        "key: ".repeat(44 * 1024),
         "é".repeat(110 * 1024),
+        "call 555 1234567\n".repeat(13 * 1024),
+        "SSN 536-22-1984\n".repeat(14 * 1024),
+        "q8Zr2LmX9vBt4KpW7sYc1NdE5hJg3FaU ".repeat(6600),
+        "let x = foo(bar);\n".repeat(12 * 1024),
+        "explain compare design prove per each only ".repeat(5 * 1024),
     ];
     for prompt in &cases {
         for kind in BuiltinKind::ALL {
@@ -83,7 +99,10 @@ fn large_adversarial_prompts() {
 #[test]
 fn over_the_default_limit_is_unknown() {
     let prompt = prose(pii::DEFAULT_MAX_BYTES + 1);
-    assert_eq!(classify(BuiltinKind::Pii, &prompt), ["pii-unknown", "ssn-unknown"]);
+    assert_eq!(
+        classify(BuiltinKind::Pii, &prompt),
+        ["pii-unknown", "ssn-unknown"]
+    );
 }
 
 fn check_invariants(prompt: &str) {
@@ -92,7 +111,10 @@ fn check_invariants(prompt: &str) {
         let expected_len = if kind == BuiltinKind::Pii { 2 } else { 1 };
         assert_eq!(tags.len(), expected_len, "{kind}: {tags:?}");
         for tag in &tags {
-            assert!(kind.tags().contains(&tag.as_str()), "{kind} emitted undeclared {tag}");
+            assert!(
+                kind.tags().contains(&tag.as_str()),
+                "{kind} emitted undeclared {tag}"
+            );
         }
         assert_eq!(tags, classify(kind, prompt), "{kind} is not deterministic");
     }
