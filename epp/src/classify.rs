@@ -8,6 +8,9 @@ use kinference_classifiers::{BuiltinKind, classify};
 use kinference_policy::model::{Classifier, ClassifierKind, ClassifierSet};
 use serde::Deserialize;
 
+/// Prompts up to this size are classified on the calling task.
+const INLINE_PROMPT_BYTES: usize = 16 * 1024;
+
 /// What one classifier run produced.
 #[derive(Debug)]
 pub struct ClassifierRun {
@@ -61,7 +64,11 @@ impl ClassifierRunner {
             match &c.kind {
                 ClassifierKind::Builtin(kind) => {
                     let kind = BuiltinKind::parse(kind).ok_or(())?;
-                    // CPU-bound on large prompts: keep it off the async workers.
+                    if prompt.len() <= INLINE_PROMPT_BYTES {
+                        // Microseconds of work: a thread hop would cost more.
+                        return Ok(classify(kind, &prompt));
+                    }
+                    // Milliseconds on large prompts: keep them off the async workers.
                     tokio::task::spawn_blocking(move || classify(kind, &prompt))
                         .await
                         .map_err(|_| ())

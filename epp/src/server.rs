@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::endpoints::{EndpointRegistry, default_staleness, spawn_scraper};
@@ -111,7 +111,7 @@ impl Epp {
         builder
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .add_service(service.into_server())
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .serve_with_incoming_shutdown(no_delay(listener), shutdown)
             .await?;
         Ok(())
     }
@@ -153,7 +153,7 @@ impl Epp {
         });
         let result = tonic::transport::Server::builder()
             .add_service(service)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .serve_with_incoming_shutdown(no_delay(listener), shutdown)
             .await;
         watcher.abort();
         Ok(result?)
@@ -211,6 +211,13 @@ impl Epp {
             }
         })
     }
+}
+
+/// Accepted connections with Nagle off: replies are small and must not wait
+/// for a delayed ACK (tonic ignores its own nodelay setting for listeners it
+/// is handed).
+fn no_delay(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 /// A fresh self-signed certificate for the ext_proc port. Gateways talk to

@@ -34,13 +34,15 @@ impl CandidateSet {
             keys: Vec::new(),
             features: Vec::new(),
         };
-        let views: Vec<_> = snapshot
+        // Each endpoint's address is formatted once per request.
+        let (views, addresses): (Vec<_>, Vec<String>) = snapshot
             .iter()
-            .filter(|v| subset.is_none_or(|s| in_subset(s, &v.endpoint.address())))
-            .collect();
-        let endpoint_keys: Vec<EndpointKey> = views
+            .map(|v| (v, v.endpoint.address()))
+            .filter(|(_, a)| subset.is_none_or(|s| in_subset(s, a)))
+            .unzip();
+        let endpoint_keys: Vec<EndpointKey> = addresses
             .iter()
-            .map(|v| EndpointKey::from_addr(&v.endpoint.address()))
+            .map(|a| EndpointKey::from_addr(a))
             .collect();
         let mut cached_blocks = Vec::new();
         picker
@@ -51,7 +53,12 @@ impl CandidateSet {
         let output = request
             .max_tokens
             .unwrap_or(picker.config.default_output_tokens) as f64;
-        for ((view, key), blocks) in views.iter().zip(&endpoint_keys).zip(&cached_blocks) {
+        for (((view, address), key), blocks) in views
+            .iter()
+            .zip(&addresses)
+            .zip(&endpoint_keys)
+            .zip(&cached_blocks)
+        {
             let ep = &view.endpoint;
             let cached = (*blocks as f64 * tokens_per_block).min(prompt);
             let live = picker.stats.snapshot(*key, now);
@@ -66,7 +73,7 @@ impl CandidateSet {
                     kind: CandidateType::Local,
                     model: model.clone(),
                     endpoint: ep.name.clone(),
-                    address: Some(ep.address()),
+                    address: Some(address.clone()),
                     backend_name: ep.backend.clone(),
                     provider_name: None,
                     zone: ep.zone.clone(),
