@@ -1,6 +1,7 @@
 //! `kinference`: lint and explain policies, print the CRDs, run the demo.
 #![forbid(unsafe_code)]
 
+mod demo;
 mod explain;
 mod lint;
 
@@ -46,6 +47,32 @@ enum Command {
     },
     /// Print the CustomResourceDefinitions (equal to the committed crds/).
     Crds,
+    /// Run the whole request path on loopback (simulated model servers and a
+    /// provider, the EPP, an ext_proc gateway), send sample traffic and print
+    /// per-rule decisions and latencies. No cluster needed.
+    Demo {
+        /// Requests to send [default: 300; 40 with --quick].
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Requests in flight at most [default: 24; 8 with --quick].
+        #[arg(long)]
+        concurrency: Option<usize>,
+        /// A policy file to run instead of the embedded default.
+        #[arg(long)]
+        policy: Option<PathBuf>,
+        /// A tiny, fast run (for tests and a first look).
+        #[arg(long)]
+        quick: bool,
+        /// Multiplier of every simulated delay [default: 1; 0.2 with --quick].
+        #[arg(long)]
+        time_scale: Option<f64>,
+        /// Seed of the sample workload.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the embedded default policy and exit.
+        #[arg(long)]
+        print_policy: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -75,6 +102,28 @@ fn main() -> ExitCode {
             print!("{}", kinference_api::crd_yaml());
             Ok(true)
         }
+        Command::Demo {
+            print_policy: true, ..
+        } => {
+            print!("{}", demo::DEFAULT_POLICY);
+            Ok(true)
+        }
+        Command::Demo {
+            requests,
+            concurrency,
+            policy,
+            quick,
+            time_scale,
+            seed,
+            print_policy: false,
+        } => demo::run(demo::Options {
+            requests,
+            concurrency,
+            policy,
+            quick,
+            time_scale,
+            seed,
+        }),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -1,29 +1,45 @@
 //! Load test of the ext_proc decision path over real gRPC on loopback:
-//! in-process client tasks play Envoy (one ext_proc stream per HTTP request)
-//! against (i) a trivial ext_proc server in this file that buffers the body
-//! and always answers the same endpoint — the cost of gRPC + ext_proc alone —
-//! and (ii) the real EPP with `examples/pii-stays-local.yaml` (pii classifier,
-//! prefix-aware `minimize: PredictedTTFT`) over 50 endpoints whose metrics
-//! are refreshed every 50 ms, as the scraper would.
+//! in-process client tasks play Envoy (one ext_proc stream per HTTP request:
+//! request headers, body, the decision, then response headers with the
+//! served endpoint and a TTFT, end of response) against three servers in the
+//! same run:
 //!
-//! `cargo bench -p kinference-epp --bench extproc_load [-- normal|large]`
+//! * `floor`: a trivial ext_proc server in this file that buffers the body
+//!   the same way and always answers the same endpoint (header + `envoy.lb`
+//!   metadata; the body handed back in 62,000-byte chunks in streamed mode),
+//!   without parsing anything — the cost of gRPC + ext_proc alone;
+//! * `epp`: the real EPP exactly as `Epp::serve_ext_proc` serves it, with
+//!   `examples/pii-stays-local.yaml` (pii classifier, prefix-aware
+//!   `minimize: PredictedTTFT`) over 50 endpoints whose metrics are
+//!   refreshed every 50 ms, as the scraper would;
+//! * `epp+nodelay`: the same EPP service with `TCP_NODELAY` on accepted
+//!   sockets (`serve_with_incoming*` leaves Nagle on).
 //!
-//! Scenarios: (a) ~1.5 KB chat bodies, 64 concurrent streams; (c) 220 KB
-//! prompts (16 groups sharing a 150 KB prefix, unique 70 KB tails), 150
-//! concurrent streams. Each runs in `BUFFERED` and in `FULL_DUPLEX_STREAMED`
-//! mode (62,000-byte chunks, as Envoy sends them).
+//! `cargo bench -p kinference-epp --bench extproc_load [-- normal|large|paced]`
+//!
+//! Scenarios, each in `BUFFERED` and `FULL_DUPLEX_STREAMED` mode (62,000-byte
+//! chunks, as Envoy sends them): (a) ~1.5 KB chat bodies, 64 concurrent
+//! streams, closed loop; (c1) 220 KB prompts (16 groups sharing a 150 KB
+//! prefix, unique 70 KB tails), 150 concurrent streams, closed loop — the
+//! servers saturated, so this measures capacity; (c2) the same prompts with
+//! 150 requests in flight where the upstream holds each ~1 s after the
+//! decision (the shape of upstream issue #2928) — this measures the added
+//! latency at that concurrency.
 //!
 //! Knobs (environment): `LOAD_NORMAL_REQUESTS` (20000), `LOAD_NORMAL_CONCURRENCY`
-//! (64), `LOAD_LARGE_REQUESTS` (3000), `LOAD_LARGE_CONCURRENCY` (150),
-//! `LOAD_CONNECTIONS` (4 gRPC connections, like Envoy's per-worker
-//! connections), `LOAD_MAX_SECS` (60, per phase), `LOAD_SERVER_THREADS` (2),
-//! `LOAD_CLIENT_THREADS` (2), `LOAD_PHASES` (all; e.g. `epp-large-streamed`
-//! runs only the phases whose label contains it, for profiling).
+//! (64), `LOAD_LARGE_REQUESTS` (3000), `LOAD_LARGE_PACED_REQUESTS` (1500),
+//! `LOAD_LARGE_CONCURRENCY` (150), `LOAD_UPSTREAM_MS` (1000),
+//! `LOAD_CONNECTIONS` (4 gRPC connections per server, like Envoy's
+//! per-worker connections), `LOAD_MAX_SECS` (60, per phase),
+//! `LOAD_SERVER_THREADS` (2), `LOAD_CLIENT_THREADS` (2), `LOAD_PHASES` (runs
+//! only phases whose `server-scenario-mode` key contains it, e.g.
+//! `epp+nodelay-large-saturated-streamed`, for profiling).
 //!
 //! Client and servers share the machine's cores, so absolute numbers are
 //! pessimistic; compare the EPP with the floor measured in the same run.
-//! Server CPU per request (from the server runtime threads' schedstat) is the
-//! least load-generator-sensitive figure.
+//! Server CPU per request (schedstat of the server runtime's threads) is the
+//! least load-generator-sensitive figure; the report also shows the CPU that
+//! other processes used during each phase.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -44,18 +60,22 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, processing_request::Request as Msg, processing_response::Response as Reply,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use kinference_api::DESTINATION_HEADER;
 use kinference_epp::client::{BodyMode, HttpRequest};
 use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics, endpoints_from_specs};
 use kinference_epp::extproc::{
-    DESTINATION_ENDPOINT, LB_NAMESPACE, OBSERVED_TTFT_HEADER, RULE_HEADER, SERVED_ENDPOINT,
+    DESTINATION_ENDPOINT, ExtProcService, LB_NAMESPACE, OBSERVED_TTFT_HEADER, RULE_HEADER,
+    SERVED_ENDPOINT,
 };
 use kinference_epp::server::{Epp, Settings};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::transport::Channel;
+use tonic::transport::server::Router;
 use tonic::{Request, Response, Status, Streaming};
 
 const POLICY: &str = include_str!("../../examples/pii-stays-local.yaml");
@@ -233,20 +253,48 @@ fn floor_streamed(body: &[u8]) -> Vec<ProcessingResponse> {
     out
 }
 
-async fn serve_floor(listener: TcpListener, shutdown: oneshot::Receiver<()>) {
-    let service = ExternalProcessorServer::new(Floor)
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
-    // The same transport settings as `Epp::serve_ext_proc`.
-    let result = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+/// Accepted connections with `TCP_NODELAY` set. tonic only sets it on
+/// listeners it binds itself; `serve_with_incoming*` takes sockets as they
+/// come (Nagle on).
+fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    TcpListenerStream::new(listener).map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok(conn)
+    })
+}
+
+/// The transport settings of `Epp::serve_ext_proc` (keepalive), plaintext.
+fn builder() -> tonic::transport::Server {
+    tonic::transport::Server::builder().http2_keepalive_interval(Some(Duration::from_secs(30)))
+}
+
+fn floor_router() -> Router {
+    builder().add_service(
+        ExternalProcessorServer::new(Floor)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE),
+    )
+}
+
+/// The EPP's own ext_proc service, as `Epp::serve_ext_proc` builds it.
+fn epp_router(epp: &Epp) -> Router {
+    builder().add_service(
+        ExtProcService::new(epp.picker.clone(), epp.settings.ext_proc.clone()).into_server(),
+    )
+}
+
+/// Serves with `TCP_NODELAY` on every accepted connection.
+async fn serve_nodelay(router: Router, listener: TcpListener, shutdown: oneshot::Receiver<()>) {
+    let result = router
+        .serve_with_incoming_shutdown(nodelay_incoming(listener), async {
             let _ = shutdown.await;
         })
         .await;
     if let Err(e) = result {
-        eprintln!("floor server: {e}");
+        eprintln!("ext_proc server: {e}");
     }
 }
 
@@ -261,7 +309,11 @@ fn endpoint_names() -> Vec<String> {
 }
 
 fn build_epp() -> Epp {
-    let epp = Epp::new(Settings::default());
+    let epp = Epp::new(Settings {
+        // Plaintext, like the floor (the gateway's TLS is not what we measure).
+        secure_serving: false,
+        ..Settings::default()
+    });
     epp.policy()
         .load_text(POLICY)
         .expect("examples/pii-stays-local.yaml compiles");
@@ -458,7 +510,7 @@ impl Workload {
         let system = &systems[group];
         let mut user = format!("Request {id}: ");
         if matches!(self, Workload::Chat { .. }) && id % 10 == 3 {
-            user.push_str(&format!("my e-mail is jane.doe{id}@example.com, "));
+            user.push_str(&format!("my e-mail is maria.gonzalez{id}@gmail.com, "));
         }
         corpus.take(&mut user, (id as usize).wrapping_mul(7919), tail);
         let mut body = Vec::with_capacity(system.len() + user.len() + 160);
@@ -497,6 +549,18 @@ fn set_header<'a>(common: &'a CommonResponse, key: &str) -> Option<&'a str> {
         .map(|h| std::str::from_utf8(&h.raw_value).unwrap_or(""))
 }
 
+/// The local endpoint list, or `provider/<name>` for a provider pick.
+fn read_decision(c: &CommonResponse, destination: &mut Option<String>, rule: &mut Option<String>) {
+    if let Some(d) =
+        set_header(c, DESTINATION_ENDPOINT).or_else(|| set_header(c, DESTINATION_HEADER))
+    {
+        *destination = Some(d.to_string());
+    }
+    if let Some(r) = set_header(c, RULE_HEADER) {
+        *rule = Some(r.to_string());
+    }
+}
+
 fn lb_destination(r: &ProcessingResponse) -> Option<String> {
     let md = r.dynamic_metadata.as_ref()?;
     let Some(Kind::StructValue(lb)) = md.fields.get(LB_NAMESPACE)?.kind.as_ref() else {
@@ -530,6 +594,7 @@ async fn one_request(
     client: &mut Client,
     request: &HttpRequest,
     ttft_ms: f64,
+    upstream: Duration,
 ) -> anyhow::Result<Decided> {
     let streamed = matches!(request.mode, BodyMode::Streamed(_));
     let mut messages = request.messages().into_iter();
@@ -563,8 +628,7 @@ async fn one_request(
             }
             Some(Reply::RequestHeaders(h)) => {
                 if let Some(c) = &h.response {
-                    destination = set_header(c, DESTINATION_ENDPOINT).map(str::to_string);
-                    rule = set_header(c, RULE_HEADER).map(str::to_string);
+                    read_decision(c, &mut destination, &mut rule);
                 }
                 if !streamed {
                     // Buffered: Envoy sends the body once headers are answered.
@@ -577,8 +641,7 @@ async fn one_request(
                 let c = b.response.as_ref();
                 if !streamed {
                     if let Some(c) = c {
-                        destination = set_header(c, DESTINATION_ENDPOINT).map(str::to_string);
-                        rule = set_header(c, RULE_HEADER).map(str::to_string);
+                        read_decision(c, &mut destination, &mut rule);
                     }
                     break;
                 }
@@ -603,11 +666,15 @@ async fn one_request(
         let dest = destination
             .clone()
             .ok_or_else(|| anyhow::anyhow!("no destination header"))?;
-        if lb.as_deref() != Some(dest.as_str()) {
+        if !dest.starts_with("provider/") && lb.as_deref() != Some(dest.as_str()) {
             anyhow::bail!("header {dest:?} and envoy.lb metadata {lb:?} differ");
         }
         if streamed && echoed != expected_body {
             anyhow::bail!("streamed body: {echoed} bytes back, {expected_body} sent");
+        }
+        // The upstream serves the request; the ext_proc stream stays open.
+        if !upstream.is_zero() {
+            tokio::time::sleep(upstream).await;
         }
         // Response path, as the demo gateway reports it.
         let served = dest.split(',').next().unwrap_or_default().to_string();
@@ -665,6 +732,10 @@ struct PhaseSpec {
     concurrency: usize,
     mode: BodyMode,
     max_time: Duration,
+    /// Mean time the upstream holds each request after the decision (uniform
+    /// 0.5×–1.5×); zero: the next request starts at once (closed loop, the
+    /// EPP saturated).
+    upstream: Duration,
 }
 
 #[derive(Default)]
@@ -679,6 +750,12 @@ struct PhaseResult {
     groups: HashMap<usize, HashMap<String, u64>>,
     elapsed: Duration,
     server_cpu: Duration,
+    client_cpu: Duration,
+    /// Share of the machine's CPU used by other processes during the phase.
+    others_busy: f64,
+    /// Completions and time from the end of the warm-up until the first
+    /// stream found no request left.
+    steady: Option<(u64, Duration)>,
     truncated: bool,
 }
 
@@ -710,8 +787,14 @@ impl PhaseResult {
         self.latencies.len() as u64 + self.errors + self.statuses.values().sum::<u64>()
     }
 
+    /// Completions per second while every stream was busy (from the end of
+    /// the warm-up until the first stream ran out of requests), so neither
+    /// ramp-up nor ramp-down counts.
     fn rps(&self) -> f64 {
-        self.measured() as f64 / self.elapsed.as_secs_f64().max(1e-9)
+        match self.steady {
+            Some((n, d)) if n > 0 => n as f64 / d.as_secs_f64().max(1e-9),
+            _ => self.measured() as f64 / self.elapsed.as_secs_f64().max(1e-9),
+        }
     }
 
     fn quantile(&self, q: f64) -> Duration {
@@ -736,20 +819,32 @@ async fn run_phase(
     let next = Arc::new(AtomicU64::new(0));
     let total = spec.warmup + spec.requests;
     let deadline = Instant::now() + spec.max_time;
-    let measured_from: Arc<std::sync::Mutex<Option<(Instant, Duration)>>> = Arc::default();
+    let measured_from: Arc<std::sync::Mutex<Option<Mark>>> = Arc::default();
+    let first_exit: Arc<std::sync::Mutex<Option<(Instant, u64)>>> = Arc::default();
+    let completed = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for w in 0..spec.concurrency {
         let mut client = clients[w % clients.len()].clone();
         let workload = workload.clone();
         let next = next.clone();
         let measured_from = measured_from.clone();
+        let first_exit = first_exit.clone();
+        let completed = completed.clone();
         let server_threads = server_threads.to_string();
         tasks.push(tokio::spawn(async move {
             let mut out = PhaseResult::default();
             let mut rng = StdRng::seed_from_u64(w as u64);
+            if !spec.upstream.is_zero() {
+                // Stagger the streams so they do not move in lockstep.
+                tokio::time::sleep(spec.upstream.mul_f64(rng.random_range(0.0..1.0))).await;
+            }
             loop {
                 let id = next.fetch_add(1, Ordering::Relaxed);
                 if id >= total {
+                    let mut first = first_exit.lock().unwrap();
+                    if first.is_none() {
+                        *first = Some((Instant::now(), completed.load(Ordering::Relaxed)));
+                    }
                     break;
                 }
                 if Instant::now() > deadline {
@@ -757,8 +852,7 @@ async fn run_phase(
                     break;
                 }
                 if id == spec.warmup {
-                    *measured_from.lock().unwrap() =
-                        Some((Instant::now(), thread_cpu(&server_threads)));
+                    *measured_from.lock().unwrap() = Some(Mark::now(&server_threads));
                 }
                 let (body, group) = workload.body(id);
                 let mut request = HttpRequest::post("/v1/chat/completions", body);
@@ -766,10 +860,12 @@ async fn run_phase(
                     request = request.streamed(n);
                 }
                 let ttft_ms = rng.random_range(40.0..120.0);
-                let result = one_request(&mut client, &request, ttft_ms).await;
+                let upstream = spec.upstream.mul_f64(rng.random_range(0.5..1.5));
+                let result = one_request(&mut client, &request, ttft_ms, upstream).await;
                 if id < spec.warmup {
                     continue;
                 }
+                completed.fetch_add(1, Ordering::Relaxed);
                 match result {
                     Ok(d) => {
                         if let Some(status) = d.immediate {
@@ -816,14 +912,84 @@ async fn run_phase(
             }
         }
     }
-    let end = Instant::now();
-    let end_cpu = thread_cpu(server_threads);
-    if let Some((start, cpu)) = *measured_from.lock().unwrap() {
-        result.elapsed = end - start;
-        result.server_cpu = end_cpu.saturating_sub(cpu);
+    let end = Mark::now(server_threads);
+    if let Some(start) = *measured_from.lock().unwrap() {
+        result.elapsed = end.at - start.at;
+        result.server_cpu = end.server.saturating_sub(start.server);
+        result.client_cpu = end.client.saturating_sub(start.client);
+        let busy = end.machine_busy.saturating_sub(start.machine_busy) as f64;
+        let total = end.machine_total.saturating_sub(start.machine_total).max(1) as f64;
+        let own = end.own_ticks.saturating_sub(start.own_ticks) as f64;
+        result.others_busy = ((busy - own) / total).max(0.0);
+        if let Some((at, n)) = *first_exit.lock().unwrap() {
+            result.steady = Some((n, at.saturating_duration_since(start.at)));
+        }
     }
     result.latencies.sort_unstable();
     result
+}
+
+/// Clocks at one instant: wall, the servers' and the load generator's
+/// threads, the whole machine and this process (clock ticks).
+#[derive(Clone, Copy)]
+struct Mark {
+    at: Instant,
+    server: Duration,
+    client: Duration,
+    machine_busy: u64,
+    machine_total: u64,
+    own_ticks: u64,
+}
+
+impl Mark {
+    fn now(server_threads: &str) -> Self {
+        let (machine_busy, machine_total) = machine_ticks();
+        Mark {
+            at: Instant::now(),
+            server: thread_cpu(server_threads),
+            client: thread_cpu("load"),
+            machine_busy,
+            machine_total,
+            own_ticks: own_ticks(),
+        }
+    }
+}
+
+/// Busy and total ticks of all CPUs (`/proc/stat`).
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = stat.lines().next() else {
+        return (0, 0);
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total.saturating_sub(idle), total)
+}
+
+/// This process's user + system ticks (`/proc/self/stat`).
+fn own_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    get(11) + get(12)
+}
+
+/// Number of this process's threads whose name starts with `prefix`.
+fn thread_count(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |dir| {
+        dir.flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with(prefix))
+            })
+            .count()
+    })
 }
 
 /// CPU time of this process's threads whose name starts with `prefix`
@@ -863,9 +1029,9 @@ fn ms(d: Duration) -> String {
 
 fn print_header() {
     println!(
-        "| phase | requests | conc | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU µs/req | errors | rejects |"
+        "| phase | requests | conc | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU µs/req | cores: server / load gen / other procs | errors | rejects |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|");
 }
 
 fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
@@ -877,7 +1043,7 @@ fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
         s.join(" ")
     };
     println!(
-        "| {label} | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {} | {}{} |",
+        "| {label} | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {:.2} / {:.2} / {:.2} | {} | {}{} |",
         r.measured(),
         spec.concurrency,
         r.rps(),
@@ -886,6 +1052,9 @@ fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
         ms(r.quantile(0.99)),
         ms(r.latencies.last().copied().unwrap_or_default()),
         r.cpu_per_request().as_secs_f64() * 1e6,
+        r.server_cpu.as_secs_f64() / r.elapsed.as_secs_f64().max(1e-9),
+        r.client_cpu.as_secs_f64() / r.elapsed.as_secs_f64().max(1e-9),
+        r.others_busy * std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
         r.errors,
         rejects,
         if r.truncated { " (time cap hit)" } else { "" },
@@ -920,7 +1089,11 @@ fn routing_line(label: &str, r: &PhaseResult, groups: usize) -> String {
 }
 
 struct Scenario {
-    name: &'static str,
+    name: String,
+    /// For `LOAD_PHASES` and the command-line filter.
+    key: &'static str,
+    /// See [`PhaseSpec::upstream`].
+    upstream: Duration,
     workload: Arc<Workload>,
     requests: u64,
     warmup: u64,
@@ -936,12 +1109,95 @@ enum Target {
     AddedP99(Duration),
 }
 
+struct Server {
+    name: &'static str,
+    clients: Vec<Client>,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// `connections` HTTP/2 connections (Envoy opens one per worker thread).
+async fn connect(addr: SocketAddr, connections: usize) -> anyhow::Result<Vec<Client>> {
+    let mut out = Vec::new();
+    for _ in 0..connections {
+        let channel = Channel::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await?;
+        out.push(
+            ExternalProcessorClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+        );
+    }
+    Ok(out)
+}
+
+/// The EPP's own counters (its `/metrics`), to see inside a phase: time in
+/// `Picker::pick` (classifiers included) and classifier outcomes.
+#[derive(Default, Clone, Copy)]
+struct EppCounters {
+    decisions: f64,
+    decision_seconds: f64,
+    classifier_runs: f64,
+    classifier_seconds: f64,
+    classifier_timeouts: f64,
+    classifier_failures: f64,
+}
+
+impl EppCounters {
+    fn read(epp: &Epp) -> Self {
+        let hash = epp.policy().loaded_hash();
+        let text = epp.picker.metrics.render(epp.registry(), hash.as_deref());
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter(|l| {
+                    l.split(['{', ' '])
+                        .next()
+                        .is_some_and(|n| n == name || n == format!("{name}_total"))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        EppCounters {
+            decisions: sum("kinference_epp_decision_duration_seconds_count"),
+            decision_seconds: sum("kinference_epp_decision_duration_seconds_sum"),
+            classifier_runs: sum("kinference_epp_classifier_duration_seconds_count"),
+            classifier_seconds: sum("kinference_epp_classifier_duration_seconds_sum"),
+            classifier_timeouts: sum("kinference_epp_classifier_timeouts"),
+            classifier_failures: sum("kinference_epp_classifier_failures"),
+        }
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        EppCounters {
+            decisions: self.decisions - before.decisions,
+            decision_seconds: self.decision_seconds - before.decision_seconds,
+            classifier_runs: self.classifier_runs - before.classifier_runs,
+            classifier_seconds: self.classifier_seconds - before.classifier_seconds,
+            classifier_timeouts: self.classifier_timeouts - before.classifier_timeouts,
+            classifier_failures: self.classifier_failures - before.classifier_failures,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "inside the EPP (its metrics, warm-up included): Picker::pick mean {:.0} µs over {} decisions, pii classifier mean {:.0} µs over {} runs, {} timed out, {} failed",
+            1e6 * self.decision_seconds / self.decisions.max(1.0),
+            self.decisions,
+            1e6 * self.classifier_seconds / self.classifier_runs.max(1.0),
+            self.classifier_runs,
+            self.classifier_timeouts,
+            self.classifier_failures,
+        )
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
-    let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
     let phase_filter = std::env::var("LOAD_PHASES").ok();
     let server_threads = env_or("LOAD_SERVER_THREADS", 2) as usize;
     let client_threads = env_or("LOAD_CLIENT_THREADS", 2) as usize;
@@ -964,69 +1220,76 @@ fn main() -> anyhow::Result<()> {
         .build()?;
 
     let epp = build_epp();
-    let bind = || -> anyhow::Result<TcpListener> {
-        Ok(server_rt.block_on(TcpListener::bind("127.0.0.1:0"))?)
-    };
-    let floor_listener = bind()?;
-    let epp_listener = bind()?;
-    let floor_addr = floor_listener.local_addr()?;
-    let epp_addr = epp_listener.local_addr()?;
-    let (floor_stop, floor_stopped) = oneshot::channel::<()>();
-    let (epp_stop, epp_stopped) = oneshot::channel::<()>();
-    let floor_task = server_rt.spawn(serve_floor(floor_listener, floor_stopped));
     let refresher = server_rt.spawn(refresh_metrics(epp.clone()));
-    let epp_task = {
-        let epp = epp.clone();
-        server_rt.spawn(async move {
-            let stop = async {
-                let _ = epp_stopped.await;
-            };
-            if let Err(e) = epp.serve_ext_proc(epp_listener, stop).await {
-                eprintln!("EPP server: {e:#}");
+    // Three servers on loopback: the floor; the EPP exactly as
+    // `Epp::serve_ext_proc` serves it; the same EPP service with TCP_NODELAY.
+    let mut servers: Vec<Server> = Vec::new();
+    for name in ["floor", "epp", "epp+nodelay"] {
+        let listener = server_rt.block_on(TcpListener::bind("127.0.0.1:0"))?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = match name {
+            "floor" => server_rt.spawn(serve_nodelay(floor_router(), listener, stopped)),
+            "epp" => {
+                let epp = epp.clone();
+                server_rt.spawn(async move {
+                    let stopped = async {
+                        let _ = stopped.await;
+                    };
+                    if let Err(e) = epp.serve_ext_proc(listener, stopped).await {
+                        eprintln!("EPP server: {e:#}");
+                    }
+                })
             }
-        })
-    };
+            _ => server_rt.spawn(serve_nodelay(epp_router(&epp), listener, stopped)),
+        };
+        let clients = client_rt.block_on(connect(addr, connections))?;
+        servers.push(Server {
+            name,
+            clients,
+            stop,
+            task,
+        });
+    }
 
-    let connect = |addr: SocketAddr| -> anyhow::Result<Vec<Client>> {
-        client_rt.block_on(async {
-            let mut out = Vec::new();
-            for _ in 0..connections {
-                let channel = Channel::from_shared(format!("http://{addr}"))?
-                    .connect()
-                    .await?;
-                out.push(
-                    ExternalProcessorClient::new(channel)
-                        .max_decoding_message_size(MAX_MESSAGE)
-                        .max_encoding_message_size(MAX_MESSAGE),
-                );
-            }
-            Ok(out)
-        })
-    };
-    let floor_clients = connect(floor_addr)?;
-    let epp_clients = connect(epp_addr)?;
-
-    let mut scenarios = Vec::new();
-    if want("normal") {
-        scenarios.push(Scenario {
-            name: "chat ~1.5 KB",
+    let large = Arc::new(Workload::large());
+    let large_concurrency = env_or("LOAD_LARGE_CONCURRENCY", 150) as usize;
+    let upstream_ms = env_or("LOAD_UPSTREAM_MS", 1_000);
+    let mut scenarios = vec![
+        Scenario {
+            name: "(a) chat ~1.5 KB, closed loop".into(),
             workload: Arc::new(Workload::chat()),
             requests: env_or("LOAD_NORMAL_REQUESTS", 20_000),
             warmup: 2_000,
             concurrency: env_or("LOAD_NORMAL_CONCURRENCY", 64) as usize,
+            key: "normal",
+            upstream: Duration::ZERO,
             target: Target::RatioOfFloor(3.0),
-        });
-    }
-    if want("large") {
-        scenarios.push(Scenario {
-            name: "220 KB prompts",
-            workload: Arc::new(Workload::large()),
+        },
+        Scenario {
+            name: "(c1) 220 KB prompts, closed loop (saturation)".into(),
+            workload: large.clone(),
             requests: env_or("LOAD_LARGE_REQUESTS", 3_000),
             warmup: 300,
-            concurrency: env_or("LOAD_LARGE_CONCURRENCY", 150) as usize,
+            concurrency: large_concurrency,
+            key: "large-saturated",
+            upstream: Duration::ZERO,
             target: Target::AddedP99(Duration::from_millis(10)),
-        });
-    }
+        },
+        Scenario {
+            name: format!(
+                "(c2) 220 KB prompts, {large_concurrency} in flight, upstream holds each ~{upstream_ms} ms"
+            ),
+            workload: large,
+            requests: env_or("LOAD_LARGE_PACED_REQUESTS", 1_500),
+            warmup: 300,
+            concurrency: large_concurrency,
+            key: "large-paced",
+            upstream: Duration::from_millis(upstream_ms),
+            target: Target::AddedP99(Duration::from_millis(10)),
+        },
+    ];
+    scenarios.retain(|sc| args.is_empty() || args.iter().any(|a| sc.key.contains(a.as_str())));
 
     println!(
         "extproc_load: {} cores, server runtime {server_threads} workers, load generator {client_threads} workers, {connections} gRPC connections per server, {ENDPOINTS} endpoints, policy examples/pii-stays-local.yaml",
@@ -1048,51 +1311,56 @@ fn main() -> anyhow::Result<()> {
                 concurrency: sc.concurrency,
                 mode,
                 max_time,
+                upstream: sc.upstream,
             };
-            let mut pair = Vec::new();
-            for (server, clients) in [("floor", &floor_clients), ("epp", &epp_clients)] {
-                let label = format!("{server} {mode_name}");
-                let key = format!(
-                    "{server}-{}-{mode_name}",
-                    if matches!(sc.target, Target::AddedP99(_)) {
-                        "large"
-                    } else {
-                        "normal"
-                    }
-                );
+            let mut floor: Option<PhaseResult> = None;
+            for server in &servers {
+                let label = format!("{} {mode_name}", server.name);
+                let key = format!("{}-{}-{mode_name}", server.name, sc.key);
                 if phase_filter.as_deref().is_some_and(|f| !key.contains(f)) {
                     continue;
                 }
-                let r = client_rt.block_on(run_phase(clients, sc.workload.clone(), spec, "srv"));
+                let before = EppCounters::read(&epp);
+                let r = client_rt.block_on(run_phase(
+                    &server.clients,
+                    sc.workload.clone(),
+                    spec,
+                    "srv",
+                ));
                 print_row(&label, &spec, &r);
-                if server == "epp" || r.errors > 0 {
-                    notes.push(routing_line(&label, &r, sc.workload.groups()));
+                if server.name == "floor" {
+                    if r.errors > 0 {
+                        notes.push(routing_line(&label, &r, sc.workload.groups()));
+                    }
+                    floor = Some(r);
+                    continue;
                 }
-                pair.push(r);
-            }
-            if let [floor, epp] = &pair[..] {
-                let (f99, e99) = (floor.quantile(0.99), epp.quantile(0.99));
+                let inside = EppCounters::read(&epp).since(&before);
+                notes.push(format!(
+                    "{}; {}",
+                    routing_line(&label, &r, sc.workload.groups()),
+                    inside.describe()
+                ));
+                let Some(floor) = &floor else { continue };
+                let (f99, e99) = (floor.quantile(0.99), r.quantile(0.99));
                 let ratio = e99.as_secs_f64() / f99.as_secs_f64().max(1e-9);
                 let added = e99.saturating_sub(f99);
-                let cpu_added = epp
-                    .cpu_per_request()
-                    .saturating_sub(floor.cpu_per_request());
+                let cpu_added = r.cpu_per_request().saturating_sub(floor.cpu_per_request());
                 let (met, target) = match sc.target {
                     Target::RatioOfFloor(x) => (ratio <= x, format!("EPP p99 ≤ {x}× floor p99")),
                     Target::AddedP99(d) => (added < d, format!("added p99 < {} ms", ms(d))),
                 };
-                let verdict = format!(
-                    "{} {mode_name}: EPP/floor p99 {ratio:.2}×, added p99 {} ms, added p50 {} ms, req/s {:.0} vs {:.0} ({:.0}%), added server CPU {:.0} µs/req — target {target}: {}",
+                verdicts.push(format!(
+                    "{} {label}: EPP/floor p99 {ratio:.2}×, added p99 {} ms, added p50 {} ms, req/s {:.0} vs {:.0} ({:.0}%), added server CPU {:.0} µs/req — target {target}: {}",
                     sc.name,
                     ms(added),
-                    ms(epp.quantile(0.5).saturating_sub(floor.quantile(0.5))),
-                    epp.rps(),
+                    ms(r.quantile(0.5).saturating_sub(floor.quantile(0.5))),
+                    r.rps(),
                     floor.rps(),
-                    100.0 * epp.rps() / floor.rps().max(1e-9),
+                    100.0 * r.rps() / floor.rps().max(1e-9),
                     cpu_added.as_secs_f64() * 1e6,
                     if met { "MET" } else { "MISSED" },
-                );
-                verdicts.push(verdict);
+                ));
             }
         }
         println!();
@@ -1101,22 +1369,26 @@ fn main() -> anyhow::Result<()> {
         }
     }
     println!();
+    println!(
+        "Server runtime threads at the end: {} ({server_threads} workers; the rest is the blocking pool, grown by classifier `spawn_blocking` calls that ran at once).",
+        thread_count("srv")
+    );
+    println!();
     println!("### Verdicts");
     for v in &verdicts {
         println!("- {v}");
     }
 
-    let _ = floor_stop.send(());
-    let _ = epp_stop.send(());
     refresher.abort();
-    drop(floor_clients);
-    drop(epp_clients);
+    let mut tasks = Vec::new();
+    for server in servers {
+        let _ = server.stop.send(());
+        drop(server.clients);
+        tasks.push(server.task);
+    }
     server_rt.block_on(async {
-        let _ = tokio::time::timeout(Duration::from_secs(5), async {
-            let _ = floor_task.await;
-            let _ = epp_task.await;
-        })
-        .await;
+        let _ =
+            tokio::time::timeout(Duration::from_secs(5), futures::future::join_all(tasks)).await;
     });
     client_rt.shutdown_timeout(Duration::from_secs(1));
     server_rt.shutdown_timeout(Duration::from_secs(1));

@@ -2,7 +2,10 @@
 
 #[test]
 fn committed_crd_matches_the_generated_one() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../crds/inferencepolicies.kinference.io.yaml");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../crds/inferencepolicies.kinference.io.yaml"
+    );
     let committed = std::fs::read_to_string(path).expect("crds/ holds the CRD");
     assert!(
         committed == kinference_api::crd_yaml(),

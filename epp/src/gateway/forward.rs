@@ -47,7 +47,13 @@ pub(super) fn skip_request_header(name: &str) -> bool {
 fn skip_response_header(name: &str) -> bool {
     matches!(
         name,
-        "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade" | "content-length"
+        "connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
     )
 }
 
@@ -81,7 +87,10 @@ pub(super) fn upstream_headers(client: &HeaderMap, outcome: &Outcome) -> HeaderM
 /// Where the EPP sent the request.
 #[derive(Debug, PartialEq)]
 enum Target {
-    Provider { name: String, url: String },
+    Provider {
+        name: String,
+        url: String,
+    },
     /// `ip:port` list: the choice, then the fallbacks.
     Local(Vec<String>),
 }
@@ -98,7 +107,10 @@ fn resolve(
                 url: provider_url(base, path),
                 name,
             }),
-            None => Err((502, format!("the gateway has no route to provider {name:?}"))),
+            None => Err((
+                502,
+                format!("the gateway has no route to provider {name:?}"),
+            )),
         };
     }
     let list = outcome
@@ -124,29 +136,38 @@ fn resolve(
 pub(super) fn provider_url(base: &str, path: &str) -> String {
     let base = base.trim_end_matches('/');
     match path.strip_prefix("/v1") {
-        Some(rest) if base.ends_with("/v1") && (rest.is_empty() || rest.starts_with(['/', '?'])) => {
+        Some(rest)
+            if base.ends_with("/v1") && (rest.is_empty() || rest.starts_with(['/', '?'])) =>
+        {
             format!("{base}{rest}")
         }
         _ => format!("{base}{path}"),
     }
 }
 
+/// What the response path reports: status, the endpoint that served, the
+/// TTFT in ms.
+type ResponseReport = (u16, Option<String>, Option<f64>);
+
 /// Sends the ext_proc response-path messages off the data path: the client's
 /// bytes never wait for the EPP.
 struct Reporter {
-    headers: Option<oneshot::Sender<(u16, Option<String>, Option<f64>)>>,
+    headers: Option<oneshot::Sender<ResponseReport>>,
     end: Option<oneshot::Sender<bool>>,
 }
 
 impl Reporter {
     fn spawn(mut stream: Stream) -> Self {
-        let (headers_tx, headers_rx) = oneshot::channel::<(u16, Option<String>, Option<f64>)>();
+        let (headers_tx, headers_rx) = oneshot::channel::<ResponseReport>();
         let (end_tx, end_rx) = oneshot::channel::<bool>();
         tokio::spawn(async move {
             let Ok((status, served, ttft_ms)) = headers_rx.await else {
                 return;
             };
-            if let Err(e) = stream.response_headers(status, served.as_deref(), ttft_ms).await {
+            if let Err(e) = stream
+                .response_headers(status, served.as_deref(), ttft_ms)
+                .await
+            {
                 tracing::debug!(error = %e, "reporting response headers to the EPP failed");
                 return;
             }
@@ -192,12 +213,20 @@ pub(super) async fn forward(inner: Arc<Inner>, job: Job) -> Response {
             reporter.headers(status, None, None);
             reporter.end(false);
             record.error = Some(message.clone());
-            return finish_early(&inner, record, error_response(status, "api_error", &message), arrived);
+            return finish_early(
+                &inner,
+                record,
+                error_response(status, "api_error", &message),
+                arrived,
+            );
         }
     };
     let attempts: Vec<(String, String)> = match &target {
         Target::Provider { name, url } => vec![(format!("provider/{name}"), url.clone())],
-        Target::Local(addrs) => addrs.iter().map(|a| (a.clone(), format!("http://{a}{path}"))).collect(),
+        Target::Local(addrs) => addrs
+            .iter()
+            .map(|a| (a.clone(), format!("http://{a}{path}")))
+            .collect(),
     };
     let mut last_error = String::new();
     let mut answered = None;
@@ -276,7 +305,12 @@ pub(super) async fn forward(inner: Arc<Inner>, job: Job) -> Response {
         .unwrap_or_else(|_| error_response(502, "api_error", "bad upstream response"))
 }
 
-fn finish_early(inner: &Inner, mut record: RequestRecord, resp: Response, arrived: Instant) -> Response {
+fn finish_early(
+    inner: &Inner,
+    mut record: RequestRecord,
+    resp: Response,
+    arrived: Instant,
+) -> Response {
     record.status = resp.status().as_u16();
     record.total = arrived.elapsed();
     inner.emit(record);
@@ -323,7 +357,10 @@ impl Pump {
                 Err(e) => {
                     self.record.error = Some(format!("upstream body: {e}"));
                     completed = false;
-                    let _ = self.tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    let _ = self
+                        .tx
+                        .send(Err(std::io::Error::other(e.to_string())))
+                        .await;
                     break;
                 }
             }
@@ -386,8 +423,10 @@ mod unit {
             resolve(&providers, &o, "/v1/completions").unwrap(),
             Target::Local(vec!["1.2.3.4:1".into(), "1.2.3.4:2".into()])
         );
-        o.set_headers
-            .insert(kinference_api::DESTINATION_HEADER.into(), "provider/cloud".into());
+        o.set_headers.insert(
+            kinference_api::DESTINATION_HEADER.into(),
+            "provider/cloud".into(),
+        );
         assert_eq!(
             resolve(&providers, &o, "/v1/completions").unwrap(),
             Target::Provider {
@@ -395,8 +434,10 @@ mod unit {
                 url: "http://p/v1/completions".into()
             }
         );
-        o.set_headers
-            .insert(kinference_api::DESTINATION_HEADER.into(), "provider/other".into());
+        o.set_headers.insert(
+            kinference_api::DESTINATION_HEADER.into(),
+            "provider/other".into(),
+        );
         assert_eq!(
             resolve(&providers, &o, "/v1/completions").unwrap_err().0,
             502
@@ -407,11 +448,15 @@ mod unit {
     fn mutation_applies_to_upstream_headers() {
         let mut client = HeaderMap::new();
         client.insert("authorization", HeaderValue::from_static("Bearer client"));
-        client.insert("x-kinference-destination", HeaderValue::from_static("provider/x"));
+        client.insert(
+            "x-kinference-destination",
+            HeaderValue::from_static("provider/x"),
+        );
         client.insert("content-length", HeaderValue::from_static("12"));
         client.insert("x-tenant", HeaderValue::from_static("a"));
         let mut o = Outcome::default();
-        o.set_headers.insert("authorization".into(), "Bearer sk".into());
+        o.set_headers
+            .insert("authorization".into(), "Bearer sk".into());
         o.set_headers.insert("content-length".into(), "99".into());
         o.removed_headers.push("x-kinference-destination".into());
         let h = upstream_headers(&client, &o);

@@ -219,7 +219,11 @@ impl Gateway {
         };
         let mut record = RequestRecord::new(header("x-request-id"));
         if parts.method != axum::http::Method::POST {
-            let resp = error_response(405, "invalid_request_error", "the gateway accepts POST only");
+            let resp = error_response(
+                405,
+                "invalid_request_error",
+                "the gateway accepts POST only",
+            );
             return self.done(record, resp, arrived);
         }
         let body = match axum::body::to_bytes(body, self.inner.config.max_body_bytes).await {
@@ -229,7 +233,11 @@ impl Gateway {
                     "the request body is unreadable or exceeds {} bytes",
                     self.inner.config.max_body_bytes
                 );
-                return self.done(record, error_response(413, "invalid_request_error", &msg), arrived);
+                return self.done(
+                    record,
+                    error_response(413, "invalid_request_error", &msg),
+                    arrived,
+                );
             }
         };
         let path = parts

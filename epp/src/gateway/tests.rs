@@ -99,10 +99,11 @@ async fn harness() -> Harness {
         .unwrap(),
     );
     epp.registry().mark_synced();
-    epp.picker
-        .provider_keys
-        .store(std::sync::Arc::new([("cloud".to_string(), "sk-test".to_string())].into()));
-    let _ = epp.spawn_scraper();
+    epp.picker.provider_keys.store(std::sync::Arc::new(
+        [("cloud".to_string(), "sk-test".to_string())].into(),
+    ));
+    // Runs until the test's runtime ends.
+    drop(epp.spawn_scraper());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let epp_addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -122,8 +123,18 @@ async fn harness() -> Harness {
         .insert("cloud".into(), format!("{}/v1", cloud.base_url()));
     config.records = Some(tx);
     let gateway = spawn(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    // Wait for a first scrape so metric-based objectives have values.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Wait for a first scrape of the live servers, so metric-based
+    // objectives have values.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline
+        && epp
+            .registry()
+            .snapshot()
+            .iter()
+            .any(|v| v.endpoint.name != "dead" && v.metrics.is_none())
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     Harness {
         epp,
         gateway,
@@ -241,7 +252,11 @@ async fn routes_rewrites_rejects_falls_back_and_reports_ttft() {
     let key = EndpointKey::from_addr(&qwen_addr);
     let mut observed = None;
     for _ in 0..50 {
-        observed = h.epp.picker.stats.observed_ttft(key, std::time::Instant::now());
+        observed = h
+            .epp
+            .picker
+            .stats
+            .observed_ttft(key, std::time::Instant::now());
         if observed.is_some() {
             break;
         }

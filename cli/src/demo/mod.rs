@@ -1,0 +1,424 @@
+//! `kinference demo`: the whole request path on loopback, no cluster.
+//!
+//! Starts simulated model servers (three `qwen-2.5`, one `gemma-4`), one
+//! simulated OpenAI-compatible provider per provider of the policy, the EPP in
+//! standalone mode (endpoints given in process, the policy compiled from the
+//! embedded YAML or `--policy`, provider API keys handed over directly) and the
+//! ext_proc gateway; sends a mixed workload through the gateway and prints
+//! what each rule decided and how fast the first token came back.
+//!
+//! Everything listens on 127.0.0.1 and stops before the command returns.
+//! Prompt text never reaches a log: the demo installs no log subscriber and
+//! prints only counts and latencies.
+
+mod report;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow};
+use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::gateway::{self, GatewayConfig, RequestRecord};
+use kinference_epp::predict::EndpointKey;
+use kinference_epp::server::{Epp, Settings};
+use kinference_simulator::{SimConfig, SimHandle};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc};
+use workload::Kind;
+
+/// The embedded default policy.
+pub const DEFAULT_POLICY: &str = include_str!("default-policy.yaml");
+
+/// Command-line options of `kinference demo`.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub requests: Option<usize>,
+    pub concurrency: Option<usize>,
+    pub policy: Option<PathBuf>,
+    pub quick: bool,
+    pub time_scale: Option<f64>,
+    pub seed: u64,
+}
+
+/// Runs the demo; `Ok(false)` when some request failed for a reason other
+/// than a policy decision (the EPP or an upstream was unreachable).
+pub fn run(options: Options) -> anyhow::Result<bool> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(run_async(options));
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    result
+}
+
+/// A simulated server and how it is presented in the report.
+pub struct Server {
+    pub label: String,
+    pub model: String,
+    pub provider: bool,
+    pub handle: SimHandle,
+}
+
+fn model_server(name: &str, model: &str, time_scale: f64) -> SimConfig {
+    let big = model == workload::REQUESTED_MODEL;
+    SimConfig {
+        // Big model: slower prefill and decode, fewer running slots.
+        max_concurrency: if big { 4 } else { 8 },
+        prefill_tokens_per_sec: if big { 3_000.0 } else { 12_000.0 },
+        decode_tokens_per_sec: if big { 32.0 } else { 100.0 },
+        base_latency_ms: if big { 25.0 } else { 10.0 },
+        prefix_cache_blocks: 4096,
+        time_scale,
+        ..SimConfig::new(name, [model])
+    }
+}
+
+/// A paid provider: far away (base latency), fast and wide.
+fn provider_server(name: &str, models: Vec<String>, key: &str, time_scale: f64) -> SimConfig {
+    SimConfig {
+        api_key: Some(key.to_string()),
+        max_concurrency: 64,
+        prefill_tokens_per_sec: 20_000.0,
+        decode_tokens_per_sec: 80.0,
+        base_latency_ms: 250.0,
+        time_scale,
+        ..SimConfig::new(name, models)
+    }
+}
+
+const LOOPBACK: &str = "127.0.0.1:0";
+/// `x-request-id` prefix of warm-up requests.
+const WARMUP: &str = "warmup-";
+
+fn loopback() -> SocketAddr {
+    LOOPBACK.parse().expect("a socket address")
+}
+
+async fn run_async(options: Options) -> anyhow::Result<bool> {
+    let (policy_text, policy_source) = match &options.policy {
+        Some(path) => (
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+            path.display().to_string(),
+        ),
+        None => (DEFAULT_POLICY.to_string(), "embedded default".to_string()),
+    };
+    let compiled = kinference_policy::source::compile_text(&policy_text).map_err(|errors| {
+        let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
+        anyhow!(
+            "the policy ({policy_source}) does not compile:\n{}",
+            lines.join("\n")
+        )
+    })?;
+    let n = options
+        .requests
+        .unwrap_or(if options.quick { 40 } else { 300 })
+        .max(1);
+    let concurrency = options
+        .concurrency
+        .unwrap_or(if options.quick { 8 } else { 24 })
+        .max(1);
+    let time_scale = options
+        .time_scale
+        .unwrap_or(if options.quick { 0.2 } else { 1.0 });
+    if !(time_scale.is_finite() && time_scale >= 0.0) {
+        return Err(anyhow!("--time-scale must be a finite number >= 0"));
+    }
+
+    // Model servers and providers.
+    let mut servers = Vec::new();
+    for (name, model) in [
+        ("qwen-2.5-a", "qwen-2.5"),
+        ("qwen-2.5-b", "qwen-2.5"),
+        ("qwen-2.5-c", "qwen-2.5"),
+        ("gemma-4-a", "gemma-4"),
+    ] {
+        let handle = kinference_simulator::spawn(model_server(name, model, time_scale), loopback())
+            .await
+            .context("starting a simulated model server")?;
+        servers.push(Server {
+            label: name.to_string(),
+            model: model.to_string(),
+            provider: false,
+            handle,
+        });
+    }
+    let mut provider_keys = BTreeMap::new();
+    let mut provider_urls = BTreeMap::new();
+    for provider in &compiled.providers {
+        let mut models: Vec<String> = provider
+            .models
+            .iter()
+            .map(|m| m.target_model.clone())
+            .collect();
+        models.sort();
+        models.dedup();
+        if models.is_empty() {
+            continue;
+        }
+        let key = format!("sk-demo-{}", provider.name);
+        let handle = kinference_simulator::spawn(
+            provider_server(&provider.name, models.clone(), &key, time_scale),
+            loopback(),
+        )
+        .await
+        .context("starting a simulated provider")?;
+        provider_urls.insert(provider.name.clone(), format!("{}/v1", handle.base_url()));
+        provider_keys.insert(provider.name.clone(), key);
+        servers.push(Server {
+            label: provider.name.clone(),
+            model: models.join(","),
+            provider: true,
+            handle,
+        });
+    }
+
+    // The EPP, standalone.
+    let epp = Epp::new(Settings::default());
+    epp.policy().install(compiled.clone());
+    let specs = servers
+        .iter()
+        .filter(|s| !s.provider)
+        .map(|s| EndpointSpec {
+            name: Some(s.label.clone()),
+            backend: Some("vllm".to_string()),
+            zone: Some("local".to_string()),
+            ..EndpointSpec::new(s.handle.addr().to_string(), &[s.model.as_str()])
+        });
+    epp.registry().replace_all(endpoints_from_specs(specs)?);
+    epp.registry().mark_synced();
+    for s in servers.iter().filter(|s| !s.provider) {
+        // The EPP's prefix index mirrors each server's real cache size.
+        let key = EndpointKey::from_addr(&s.handle.addr().to_string());
+        epp.picker
+            .prefix
+            .set_endpoint_capacity(key, s.handle.config().prefix_cache_blocks);
+    }
+    epp.picker.provider_keys.store(Arc::new(provider_keys));
+    let scraper = epp.spawn_scraper();
+    let ext_proc = TcpListener::bind(loopback()).await?;
+    let ext_proc_addr = ext_proc.local_addr()?;
+    let (stop_epp, epp_stopped) = tokio::sync::oneshot::channel::<()>();
+    let epp_task = tokio::spawn({
+        let epp = epp.clone();
+        async move {
+            epp.serve_ext_proc(ext_proc, async move {
+                let _ = epp_stopped.await;
+            })
+            .await
+        }
+    });
+
+    // The gateway.
+    let (records_tx, mut records_rx) = mpsc::unbounded_channel::<RequestRecord>();
+    let mut config = GatewayConfig::new(ext_proc_addr);
+    config.providers = provider_urls;
+    config.records = Some(records_tx);
+    let gw = gateway::spawn(config, loopback())
+        .await
+        .context("starting the gateway")?;
+
+    // Wait for a first scrape of every server, so metric-based objectives
+    // have values from the first request on.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline
+        && epp
+            .registry()
+            .snapshot()
+            .iter()
+            .any(|v| v.metrics.is_none())
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let locals: Vec<String> = {
+        let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
+        for s in servers.iter().filter(|s| !s.provider) {
+            *by_model.entry(&s.model).or_default() += 1;
+        }
+        by_model.iter().map(|(m, k)| format!("{m} ×{k}")).collect()
+    };
+    let providers: Vec<&str> = servers
+        .iter()
+        .filter(|s| s.provider)
+        .map(|s| s.label.as_str())
+        .collect();
+    println!(
+        "kinference demo — policy {} ({}, {} rules)",
+        policy_name(&policy_text).unwrap_or_else(|| "(unnamed)".into()),
+        policy_source,
+        compiled.rules.len()
+    );
+    println!(
+        "  model servers: {} · providers: {} · EPP ext_proc {} · gateway {}",
+        locals.join(", "),
+        if providers.is_empty() {
+            "none".to_string()
+        } else {
+            providers.join(", ")
+        },
+        ext_proc_addr,
+        gw.base_url()
+    );
+    println!("  sending {n} requests, at most {concurrency} at a time, time scale {time_scale}");
+    println!();
+    let _ = std::io::stdout().flush();
+
+    // Records, as the gateway finishes requests (warm-up ones are not counted).
+    let records: Arc<Mutex<Vec<RequestRecord>>> = Arc::default();
+    let collector = tokio::spawn({
+        let records = records.clone();
+        async move {
+            while let Some(r) = records_rx.recv().await {
+                if r.request_id
+                    .as_deref()
+                    .is_some_and(|id| id.starts_with(WARMUP))
+                {
+                    continue;
+                }
+                lock(&records).push(r);
+            }
+        }
+    });
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(concurrency)
+        .build()?;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+
+    // Warm-up, one request at a time: the classifiers build their matchers on
+    // first use, which must not count against their timeouts under load.
+    for (i, mut request) in workload::generate(Kind::ALL.len(), options.seed ^ 0x5eed)
+        .into_iter()
+        .enumerate()
+    {
+        request.body["max_tokens"] = 1.into();
+        let resp = client
+            .post(&url)
+            .header("x-request-id", format!("{WARMUP}{i}"))
+            .header(compiled.tenant_header.as_str(), "warmup")
+            .json(&request.body)
+            .send()
+            .await;
+        if let Ok(resp) = resp {
+            let _ = resp.bytes().await;
+        }
+    }
+
+    let requests = workload::generate(n, options.seed);
+    let started = Instant::now();
+    let progress = tokio::spawn(report::progress(records.clone(), n, started, options.quick));
+    let transport_errors = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let semaphore = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = Vec::with_capacity(n);
+    for request in &requests {
+        let permit = semaphore.clone().acquire_owned().await?;
+        let client = client.clone();
+        let url = url.clone();
+        let errors = transport_errors.clone();
+        let tenant_header = compiled.tenant_header.clone();
+        let (id, tenant, body) = (request.id, request.tenant, request.body.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut req = client
+                .post(&url)
+                .header("x-request-id", id.to_string())
+                .json(&body);
+            if let Some(t) = tenant {
+                req = req.header(tenant_header.as_str(), t);
+            }
+            let ok = match req.send().await {
+                Ok(mut resp) => loop {
+                    match resp.chunk().await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => break true,
+                        Err(_) => break false,
+                    }
+                },
+                Err(_) => false,
+            };
+            if !ok {
+                errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            drop(permit);
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    // The gateway emits a record right after the last byte; give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lock(&records).len() < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let elapsed = started.elapsed();
+    progress.abort();
+    let _ = progress.await;
+    report::clear_progress_line();
+
+    let records = lock(&records).clone();
+    let transport_errors = transport_errors.load(std::sync::atomic::Ordering::Relaxed);
+    let text = report::render(&report::Input {
+        policy: &compiled,
+        requests: &requests,
+        records: &records,
+        servers: &servers,
+        elapsed,
+        transport_errors,
+    });
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+
+    // Shut everything down.
+    gw.shutdown(Duration::from_secs(3)).await;
+    collector.abort();
+    let _ = stop_epp.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(3), epp_task).await;
+    scraper.abort();
+    for s in &servers {
+        s.handle.shutdown().await;
+    }
+    let failed = report::failures(&records) + transport_errors;
+    Ok(failed == 0 && records.len() == n)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `metadata.name` of an InferencePolicy document, if the text has one.
+fn policy_name(text: &str) -> Option<String> {
+    let docs = kinference_policy::source::parse_documents(text).ok()?;
+    docs.iter().find_map(|d| {
+        d.value
+            .pointer("/metadata/name")
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+    })
+}
+
+/// The compiled default policy.
+#[cfg(test)]
+fn default_policy() -> Result<kinference_policy::CompiledPolicy, String> {
+    kinference_policy::source::compile_text(DEFAULT_POLICY).map_err(|e| {
+        e.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_default_policy_compiles() {
+        let p = super::default_policy().unwrap();
+        assert_eq!(p.rules.len(), 6);
+        assert_eq!(p.providers.len(), 1);
+        assert_eq!(p.tenant_header, "x-kinference-tenant");
+    }
+}
