@@ -111,7 +111,7 @@ impl HttpRequest {
 /// What the EPP decided, read back from its replies.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Outcome {
-    /// Request headers the EPP set.
+    /// Request headers the EPP set (for an immediate response: its headers).
     pub set_headers: HashMap<String, String>,
     pub removed_headers: Vec<String>,
     /// `envoy.lb` dynamic metadata.
@@ -156,6 +156,17 @@ impl Outcome {
                 Some(Reply::ImmediateResponse(i)) => {
                     let status = i.status.as_ref().map_or(200, |s| s.code as u16);
                     out.immediate = Some((status, i.body.clone()));
+                    for h in i
+                        .headers
+                        .iter()
+                        .flat_map(|m| &m.set_headers)
+                        .filter_map(|o| o.header.as_ref())
+                    {
+                        out.set_headers.insert(
+                            h.key.clone(),
+                            String::from_utf8_lossy(&h.raw_value).into_owned(),
+                        );
+                    }
                     None
                 }
                 _ => None,

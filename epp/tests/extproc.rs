@@ -311,6 +311,13 @@ async fn reject_and_fall_through() {
     let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(error["error"]["message"], "slow down");
     assert_eq!(error["error"]["type"], "rate_limit_exceeded");
+    assert_eq!(
+        outcome
+            .set_headers
+            .get("x-kinference-rule")
+            .map(String::as_str),
+        Some("shed")
+    );
     let (outcome, _) = h
         .client
         .decide(&HttpRequest::post(
@@ -508,6 +515,29 @@ async fn response_path_calibrates_observed_ttft() {
     assert!(
         (observed.as_secs_f64() - 0.042).abs() < 0.005,
         "{observed:?}"
+    );
+    // A fallback served instead of the first choice: its TTFT is its own.
+    let (_, mut stream) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "again"),
+        ))
+        .await
+        .unwrap();
+    stream
+        .response_headers(200, Some("10.9.9.9:8000"), Some(900.0))
+        .await
+        .unwrap();
+    stream.finish().await.unwrap();
+    let now = std::time::Instant::now();
+    let fallback = kinference_epp::predict::EndpointKey::from_addr("10.9.9.9:8000");
+    let credited = h.epp.picker.stats.observed_ttft(fallback, now).unwrap();
+    assert!((credited.as_secs_f64() - 0.9).abs() < 0.01, "{credited:?}");
+    let first = h.epp.picker.stats.observed_ttft(key, now).unwrap();
+    assert!(
+        first.as_secs_f64() < 0.1,
+        "the first choice keeps its own TTFT: {first:?}"
     );
 }
 

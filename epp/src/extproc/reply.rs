@@ -179,6 +179,16 @@ pub fn routed_streamed(m: &Mutation, original_body: &[u8]) -> Vec<ProcessingResp
     out
 }
 
+/// Adds a header to an immediate response (e.g. which rule rejected).
+pub fn add_immediate_header(response: &mut ProcessingResponse, key: &str, value: &str) {
+    if let Some(Response::ImmediateResponse(ImmediateResponse {
+        headers: Some(h), ..
+    })) = &mut response.response
+    {
+        h.set_headers.push(header_option(key, value));
+    }
+}
+
 /// An immediate response with an OpenAI-shaped error body; the request never
 /// reaches a model server.
 pub fn immediate_error(status: u16, kind: &str, message: &str) -> ProcessingResponse {

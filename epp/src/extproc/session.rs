@@ -241,10 +241,12 @@ impl Session {
                     "service_unavailable"
                 };
                 tracing::debug!(?rule, status, "rejected");
+                let mut answer = reply::immediate_error(status, kind, &message);
+                if let Some(rule) = &rule {
+                    reply::add_immediate_header(&mut answer, RULE_HEADER, rule);
+                }
                 // The stream ends either way: an immediate response is final.
-                let _ = self
-                    .send(reply::immediate_error(status, kind, &message))
-                    .await;
+                let _ = self.send(answer).await;
                 return false;
             }
             Pick::Local(local) => {
@@ -338,8 +340,18 @@ impl Session {
             }
         } else if let Some(routed) = &mut self.routed {
             let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
-            self.picker
-                .observe_ttft(routed.guard.key(), routed.features.as_ref(), ttft);
+            let chosen = routed.guard.key();
+            // A fallback endpoint may have served: credit its TTFT to it, and
+            // calibrate the model only with the features of the one predicted.
+            match served
+                .as_deref()
+                .map(crate::predict::EndpointKey::from_addr)
+            {
+                Some(actual) if actual != chosen => self.picker.observe_ttft(actual, None, ttft),
+                _ => self
+                    .picker
+                    .observe_ttft(chosen, routed.features.as_ref(), ttft),
+            }
             routed.ttft_recorded = true;
         }
         let mut answer = reply::continue_response_headers();
