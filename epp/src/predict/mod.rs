@@ -17,6 +17,7 @@
 
 pub mod prefix;
 pub mod stats;
+mod sync;
 pub mod ttft;
 
 pub use prefix::{

@@ -12,10 +12,11 @@
 //! the request path is too slow): a block of [`DEFAULT_BLOCK_CHARS`] bytes is
 //! about 16 tokens at the usual ~4 bytes/token.
 
+use super::sync::{lock, read, write};
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -336,19 +337,6 @@ struct EndpointEntry {
     /// Index-wide tick of the last `record`, to pick a victim when the index
     /// tracks too many endpoints.
     last_record: AtomicU64,
-}
-
-/// Recovers a poisoned lock. Nothing in these critical sections is expected to
-/// panic; if something did, serving possibly stale prefix estimates beats
-/// failing every later request.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|e| e.into_inner())
-}
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Thread-safe index of which prompt prefixes each endpoint recently received.

@@ -33,9 +33,10 @@
 //! users expect, and policies that ignore ErrorRate still see the breaker via
 //! [`DestSnapshot::breaker_open`].
 
+use super::sync::{lock, read, write};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use super::prefix::EndpointKey;
@@ -154,18 +155,6 @@ struct Dest {
     inflight: AtomicU64,
     inner: Mutex<Inner>,
     cfg: StatsConfig,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections are plain field updates; a poisoned lock still holds
-    // consistent numbers.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|e| e.into_inner())
-}
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Inner {

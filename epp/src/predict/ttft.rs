@@ -22,9 +22,10 @@
 //! model (warm-started from the global one) that takes over for prediction once
 //! it has seen `min_endpoint_observations` samples.
 
+use super::sync::{lock, read, write};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::prefix::EndpointKey;
 
@@ -388,18 +389,6 @@ impl Rls {
 struct EndpointModel {
     rls: Mutex<Rls>,
     last_observed: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic mid-update can at worst leave a half-applied step; the model is
-    // projected and re-checked on every update, so keep serving.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|e| e.into_inner())
-}
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Thread-safe online TTFT predictor (see the module doc). Predictions cost one
