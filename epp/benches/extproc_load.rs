@@ -41,23 +41,22 @@
 //! least load-generator-sensitive figure; the report also shows the CPU that
 //! other processes used during each phase.
 
+use kinference_epp::extproc::reply as epp_reply;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
-};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    HttpHeaders, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
-    body_mutation, processing_request::Request as Msg, processing_response::Response as Reply,
+    BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse, TrailersResponse, body_mutation, processing_request::Request as Msg,
+    processing_response::Response as Reply,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kinference_api::DESTINATION_HEADER;
@@ -141,15 +140,9 @@ async fn floor_session(
                 if !b.end_of_stream {
                     Vec::new()
                 } else if streamed {
-                    floor_streamed(&body)
+                    epp_reply::routed_streamed(&floor_mutation(), &body)
                 } else {
-                    vec![ProcessingResponse {
-                        dynamic_metadata: Some(lb_metadata(FLOOR_DESTINATION)),
-                        response: Some(Reply::RequestBody(BodyResponse {
-                            response: Some(floor_common()),
-                        })),
-                        ..ProcessingResponse::default()
-                    }]
+                    vec![epp_reply::routed_buffered(&floor_mutation())]
                 }
             }
             Some(Msg::RequestTrailers(_)) => {
@@ -184,36 +177,19 @@ fn reply(r: Reply) -> ProcessingResponse {
     }
 }
 
-fn floor_common() -> CommonResponse {
-    CommonResponse {
-        header_mutation: Some(HeaderMutation {
-            set_headers: vec![HeaderValueOption {
-                header: Some(HeaderValue {
-                    key: DESTINATION_ENDPOINT.to_string(),
-                    raw_value: FLOOR_DESTINATION.as_bytes().to_vec(),
-                    ..HeaderValue::default()
-                }),
-                ..HeaderValueOption::default()
-            }],
-            remove_headers: Vec::new(),
-        }),
-        clear_route_cache: true,
-        ..CommonResponse::default()
-    }
-}
-
-fn lb_metadata(destination: &str) -> Struct {
-    let inner = Struct {
-        fields: [(DESTINATION_ENDPOINT.to_string(), string(destination))].into(),
-    };
-    Struct {
-        fields: [(
-            LB_NAMESPACE.to_string(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
-        .into(),
+/// The floor's fixed answer, built with the EPP's own reply builders so the
+/// two servers send byte-for-byte the same kind of messages.
+fn floor_mutation() -> epp_reply::Mutation {
+    epp_reply::Mutation {
+        set_headers: vec![(
+            DESTINATION_ENDPOINT.to_string(),
+            FLOOR_DESTINATION.to_string(),
+        )],
+        lb_metadata: vec![(
+            DESTINATION_ENDPOINT.to_string(),
+            FLOOR_DESTINATION.to_string(),
+        )],
+        ..epp_reply::Mutation::default()
     }
 }
 
@@ -221,36 +197,6 @@ fn string(s: &str) -> Value {
     Value {
         kind: Some(Kind::StringValue(s.to_string())),
     }
-}
-
-/// The held headers answer, then the body handed back in chunks.
-fn floor_streamed(body: &[u8]) -> Vec<ProcessingResponse> {
-    let mut out = vec![ProcessingResponse {
-        dynamic_metadata: Some(lb_metadata(FLOOR_DESTINATION)),
-        response: Some(Reply::RequestHeaders(HeadersResponse {
-            response: Some(floor_common()),
-        })),
-        ..ProcessingResponse::default()
-    }];
-    let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
-    let last = chunks.len().saturating_sub(1);
-    for (i, chunk) in chunks.into_iter().enumerate() {
-        out.push(reply(Reply::RequestBody(BodyResponse {
-            response: Some(CommonResponse {
-                body_mutation: Some(BodyMutation {
-                    mutation: Some(body_mutation::Mutation::StreamedResponse(
-                        StreamedBodyResponse {
-                            body: chunk.to_vec(),
-                            end_of_stream: i == last,
-                            ..StreamedBodyResponse::default()
-                        },
-                    )),
-                }),
-                ..CommonResponse::default()
-            }),
-        })));
-    }
-    out
 }
 
 /// Accepted connections with `TCP_NODELAY` set. tonic only sets it on
