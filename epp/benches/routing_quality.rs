@@ -239,16 +239,9 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
     let mut config = GatewayConfig::new(epp_addr);
     config.trust_subset_header = policy.round_robin;
     let gw = gateway::spawn(config, "127.0.0.1:0".parse()?).await?;
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline
-        && epp
-            .registry()
-            .snapshot()
-            .iter()
-            .any(|v| v.metrics.is_none())
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    epp.registry()
+        .wait_until_scraped(Duration::from_secs(3))
+        .await;
 
     let client = reqwest::Client::builder()
         .no_proxy()

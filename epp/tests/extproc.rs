@@ -87,19 +87,13 @@ async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
 
 impl Harness {
     async fn wait_for_metrics(&self) {
-        for _ in 0..200 {
-            if self
-                .epp
+        assert!(
+            self.epp
                 .registry()
-                .snapshot()
-                .iter()
-                .all(|v| v.metrics.is_some())
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("endpoints never got metrics");
+                .wait_until_scraped(Duration::from_secs(2))
+                .await,
+            "endpoints never got metrics"
+        );
     }
 
     /// A raw ext_proc stream fed from `rx`, for tests that need every reply.

@@ -225,16 +225,9 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
 
     // Wait for a first scrape of every server, so metric-based objectives
     // have values from the first request on.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline
-        && epp
-            .registry()
-            .snapshot()
-            .iter()
-            .any(|v| v.metrics.is_none())
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    epp.registry()
+        .wait_until_scraped(Duration::from_secs(3))
+        .await;
 
     let locals: Vec<String> = {
         let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();

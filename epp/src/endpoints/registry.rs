@@ -390,6 +390,21 @@ impl EndpointRegistry {
         self.synced.load(Ordering::Acquire)
     }
 
+    /// Waits until every endpoint has fresh metrics, so metric objectives have
+    /// values from the first request on. False if `timeout` passes first.
+    pub async fn wait_until_scraped(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.snapshot().iter().all(|v| v.metrics.is_some()) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// A receiver of the endpoint-set generation, bumped whenever an endpoint
     /// is added, changed or removed (not on metrics updates).
     pub fn changed(&self) -> watch::Receiver<u64> {
