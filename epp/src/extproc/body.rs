@@ -17,8 +17,7 @@ pub enum Api {
 
 impl Api {
     pub fn from_path(path: &str) -> Option<Self> {
-        let path = path.split('?').next().unwrap_or(path);
-        Some(match path.trim_end_matches('/') {
+        Some(match path_only(path).trim_end_matches('/') {
             "/v1/chat/completions" => Api::Chat,
             "/v1/completions" => Api::Completions,
             "/v1/embeddings" => Api::Embeddings,
@@ -35,6 +34,11 @@ impl Api {
             Api::Responses => "responses",
         }
     }
+}
+
+/// The path without its query string.
+pub fn path_only(path: &str) -> &str {
+    path.split('?').next().unwrap_or(path)
 }
 
 /// What routing needs from a body.

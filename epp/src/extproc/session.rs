@@ -15,7 +15,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
-use super::body::{self, Api};
+use super::body::{self, Api, path_only};
 use super::reply::{self, Mutation};
 use super::*;
 use crate::picker::{Incoming, Pick, Picker};
@@ -440,10 +440,6 @@ fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-fn path_only(path: &str) -> &str {
-    path.split('?').next().unwrap_or(path)
 }
 
 fn split_list(s: &str) -> Vec<String> {
