@@ -27,7 +27,8 @@ pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Headers the EPP adds for observability.
 pub const RULE_HEADER: &str = "x-kinference-rule";
 pub const MODEL_HEADER: &str = "x-kinference-model";
-/// A TTFT measured by the gateway, reported on the response (the demo gateway sets it).
+/// A TTFT a gateway or the model server measured, reported on the response;
+/// without it the EPP times from its decision to the response headers.
 pub const OBSERVED_TTFT_HEADER: &str = "x-kinference-observed-ttft-ms";
 /// Conformance-suite hooks (off unless enabled).
 pub const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
@@ -40,6 +41,9 @@ pub struct ExtProcConfig {
     /// Honour the upstream conformance suite's test header and echo the
     /// served endpoint. Off by default: it lets a client pick endpoints.
     pub conformance_hooks: bool,
+    /// How many fallback endpoints follow the primary in the `envoy.lb`
+    /// metadata list. 0 makes the metadata equal the header (one endpoint).
+    pub fallbacks: usize,
 }
 
 impl Default for ExtProcConfig {
@@ -47,6 +51,7 @@ impl Default for ExtProcConfig {
         ExtProcConfig {
             max_body_bytes: 16 * 1024 * 1024,
             conformance_hooks: false,
+            fallbacks: 3,
         }
     }
 }

