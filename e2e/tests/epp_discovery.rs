@@ -1,7 +1,8 @@
 //! EPP Pod discovery against a real kube-apiserver (`kinference_e2e::cluster`):
 //! Pods become endpoints when Ready, leave when not, models come from the
-//! label or from the Pod's `/v1/models`, and an API-server restart does not
-//! stop discovery.
+//! label or from the Pod's `/v1/models`, an API-server restart does not
+//! stop discovery, and a pool with several target ports yields one endpoint
+//! per Pod and active port.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kinference_e2e::cluster::TestCluster;
 use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
 use kinference_epp::endpoints::{EndpointRegistry, run_pod_discovery};
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -92,7 +93,7 @@ async fn pod_discovery_follows_readiness_and_survives_apiserver_restart() -> any
         client.clone(),
         NS.to_string(),
         selector,
-        port,
+        vec![port],
         Arc::clone(&registry),
     ));
 
@@ -155,6 +156,71 @@ async fn pod_discovery_follows_readiness_and_survives_apiserver_restart() -> any
         !discovery.is_finished(),
         "discovery must survive the restart"
     );
+    discovery.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn pod_with_two_target_ports_yields_two_endpoints() -> anyhow::Result<()> {
+    const NS: &str = "epp-discovery-ranks";
+    let cluster = TestCluster::start_without_crds().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    create_pod(
+        &pods,
+        "dp-0",
+        json!({"app": "model-server", "kinference.io/models": "llama-3-8b"}),
+    )
+    .await?;
+    set_status(&pods, "dp-0", "10.0.0.20", true).await?;
+
+    let registry = EndpointRegistry::new(Duration::from_secs(1));
+    let selector = BTreeMap::from([("app".to_string(), "model-server".to_string())]);
+    let discovery = tokio::spawn(run_pod_discovery(
+        client.clone(),
+        NS.to_string(),
+        selector,
+        vec![8000, 8001],
+        Arc::clone(&registry),
+    ));
+    wait_for("initial sync", || registry.synced()).await;
+    let addresses = |registry: &EndpointRegistry| {
+        let mut a: Vec<_> = registry
+            .endpoints()
+            .iter()
+            .map(|e| (e.name.clone(), e.address()))
+            .collect();
+        a.sort();
+        a
+    };
+    assert_eq!(
+        addresses(&registry),
+        [
+            ("dp-0-rank-0".to_string(), "10.0.0.20:8000".to_string()),
+            ("dp-0-rank-1".to_string(), "10.0.0.20:8001".to_string()),
+        ]
+    );
+
+    // The Pod narrows its active ports: rank 0 leaves on that update.
+    pods.patch(
+        "dp-0",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {
+            "inference.networking.k8s.io/active-ports": "8001"
+        }}})),
+    )
+    .await?;
+    wait_for("rank 0 removed", || registry.get("dp-0-rank-0").is_none()).await;
+    assert_eq!(registry.len(), 1);
+    assert_eq!(
+        registry.get("dp-0-rank-1").map(|e| e.address()).as_deref(),
+        Some("10.0.0.20:8001")
+    );
+
+    pods.delete("dp-0", &DeleteParams::default().grace_period(0))
+        .await?;
+    wait_for("all ranks removed", || registry.is_empty()).await;
     discovery.abort();
     Ok(())
 }

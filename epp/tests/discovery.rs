@@ -1,5 +1,5 @@
-//! Endpoint scraping and standalone discovery against real local HTTP
-//! servers (no cluster needed).
+//! Endpoint scraping, standalone discovery and multi-port (data-parallel)
+//! Pod endpoints against real local HTTP servers (no cluster needed).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
-use kinference_epp::endpoints::discovery::fetch_models;
+use kinference_epp::endpoints::discovery::{fetch_models, pod_to_endpoints};
 use kinference_epp::endpoints::scrape::{scrape_client, scrape_once};
 use kinference_epp::endpoints::{
     Endpoint, EndpointRegistry, ScrapeStats, load_endpoints_file, spawn_scraper,
@@ -108,6 +108,7 @@ impl FakeServer {
     fn endpoint(&self, name: &str) -> Endpoint {
         Endpoint {
             name: name.into(),
+            pod: name.into(),
             namespace: String::new(),
             ip: self.addr.ip(),
             port: self.addr.port(),
@@ -321,4 +322,67 @@ async fn standalone_file_feeds_the_scraper() {
     );
     scraper.abort();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Ready Pod at 127.0.0.1, as the API server would hand it to discovery.
+fn ready_pod_at_loopback(
+    name: &str,
+    annotations: serde_json::Value,
+) -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "namespace": "llm", "labels": {"app": "vllm"},
+                     "annotations": annotations},
+        "spec": {"containers": [{"name": "server", "image": "vllm"}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True"}]}
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn pod_with_two_target_ports_is_two_endpoints_scraped_per_rank() {
+    // Two data-parallel ranks of one Pod: two servers, one port each.
+    let rank0 = FakeServer::start(&vllm_metrics(1, 0, 0.1), &["llama"]).await;
+    let rank1 = FakeServer::start(&vllm_metrics(7, 2, 0.9), &["llama", "sql-lora"]).await;
+    let ports = [rank0.addr.port(), rank1.addr.port()];
+    let pod = ready_pod_at_loopback("dp-0", serde_json::json!({}));
+
+    let eps = pod_to_endpoints(&pod, &ports);
+    let names: Vec<_> = eps.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["dp-0-rank-0", "dp-0-rank-1"]);
+    assert_eq!(eps[0].address(), rank0.addr.to_string());
+    assert_eq!(eps[1].address(), rank1.addr.to_string());
+
+    // Each rank answers /v1/models on its own port.
+    let client = scrape_client(Duration::from_secs(2));
+    for (ep, want) in eps.iter().zip([&["llama"][..], &["llama", "sql-lora"][..]]) {
+        let models = fetch_models(&client, &ep.address(), Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(models, want);
+    }
+
+    // ... and is scraped on its own, so load is per rank.
+    let reg = EndpointRegistry::new(Duration::from_secs(5));
+    reg.replace_all(eps);
+    let scraper = spawn_scraper(
+        Arc::clone(&reg),
+        Duration::from_millis(20),
+        Duration::from_millis(500),
+    );
+    wait_for("both ranks scraped", Duration::from_secs(10), || {
+        waiting_of(&reg, "dp-0-rank-0") == Some(1.0) && waiting_of(&reg, "dp-0-rank-1") == Some(7.0)
+    })
+    .await;
+    scraper.abort();
+
+    // The active-ports annotation keeps only the ranks it lists.
+    let narrowed = ready_pod_at_loopback(
+        "dp-0",
+        serde_json::json!({"inference.networking.k8s.io/active-ports": ports[1].to_string()}),
+    );
+    let eps = pod_to_endpoints(&narrowed, &ports);
+    assert_eq!(eps.len(), 1);
+    assert_eq!(eps[0].name, "dp-0-rank-1");
+    assert_eq!(eps[0].address(), rank1.addr.to_string());
 }

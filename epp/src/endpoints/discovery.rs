@@ -6,14 +6,27 @@
 //! very next snapshot. After each full (re)listing the registry is replaced
 //! wholesale, which also removes Pods deleted while the watch was down.
 //!
+//! # Target ports and data-parallel ranks
+//!
+//! An InferencePool lists up to eight `targetPorts`; like the reference EPP,
+//! every Ready Pod yields one endpoint per target port (a data-parallel
+//! "rank": rank `i` is `targetPorts[i]`), all at the Pod's IP. The Pod
+//! annotation [`ACTIVE_PORTS_ANNOTATION`] narrows that down per Pod: when
+//! present, only the target ports it lists become endpoints (see
+//! [`parse_active_ports`] for how malformed values are treated). Registry
+//! names are unique per rank (see [`endpoint_name`]); everything else the
+//! policy sees about an endpoint (namespace, labels, backend, zone, node)
+//! is the Pod's, identical for all its ranks.
+//!
 //! The models a Pod serves come from its `kinference.io/models` label, or,
 //! without one, from its OpenAI `GET /v1/models`. That call runs in a
-//! background task per Pod (never in the watch loop), retried with backoff
+//! background task per endpoint (never in the watch loop; each rank is its own
+//! server on its own port), retried with backoff
 //! until it answers and then refreshed now and then, because dynamically
 //! loaded LoRA adapters show up there. Until it answers, the endpoint is in
 //! the registry with an empty model list (scraped, but serving nothing).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +50,10 @@ pub const BACKEND_LABEL: &str = "kinference.io/backend";
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 /// Label the Deployment controller puts on Pods (and in ReplicaSet names).
 const POD_TEMPLATE_HASH_LABEL: &str = "pod-template-hash";
+/// Pod annotation of the Inference Extension listing, comma-separated, which
+/// of the pool's target ports the Pod really serves (e.g. `"8000,8002"`).
+/// Absent: all of them.
+pub const ACTIVE_PORTS_ANNOTATION: &str = "inference.networking.k8s.io/active-ports";
 
 /// Timeout of one `GET /v1/models`.
 pub const MODELS_FETCH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -45,12 +62,119 @@ const MODELS_REFRESH: Duration = Duration::from_secs(30);
 const MODELS_RETRY_MIN: Duration = Duration::from_millis(500);
 const MODELS_RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Turns a Pod into an endpoint, or `None` when it must not receive traffic
-/// (not Ready, not Running, no IP, terminating). Pure.
+/// The registry name of rank `rank` (the index of its port in the pool's
+/// `targetPorts`) of Pod `pod`, in a pool with `ports` target ports:
+///
+/// * one target port: the Pod name itself, so single-port pools (the common
+///   case) keep `endpoint: <pod>` in policies, logs and metrics;
+/// * several: `<pod>-rank-<rank>`, the reference EPP's name for a
+///   data-parallel rank. The rank is the index among the pool's target ports,
+///   not among the Pod's active ones, so a rank keeps its name (and with it
+///   its metrics, models and prefix-cache state) when the active-ports
+///   annotation changes.
+///
+/// Names never collide within a pool: rank numbers are digits only, so the
+/// last `-rank-` of a name always splits it back into (Pod name, rank).
+/// The `endpoint` attribute policies see is this name; labels, backend, zone
+/// and node are the Pod's, the same for all its ranks.
+pub fn endpoint_name(pod: &str, rank: usize, ports: usize) -> String {
+    if ports <= 1 {
+        pod.to_string()
+    } else {
+        format!("{pod}-rank-{rank}")
+    }
+}
+
+/// All registry names a Pod can have in a pool with `ports` target ports.
+fn endpoint_names(pod: &str, ports: usize) -> impl Iterator<Item = String> + '_ {
+    (0..ports.max(1)).map(move |rank| endpoint_name(pod, rank, ports))
+}
+
+/// The Pod's [`ACTIVE_PORTS_ANNOTATION`], parsed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ActivePorts {
+    /// The valid port numbers listed (1..=65535).
+    pub ports: BTreeSet<u16>,
+    /// Entries that are not port numbers (non-numeric, 0, out of range); they
+    /// are ignored.
+    pub invalid: Vec<String>,
+}
+
+/// Parses an [`ACTIVE_PORTS_ANNOTATION`] value: comma-separated port numbers,
+/// whitespace around entries allowed, empty entries (`"8000,"`) skipped.
+///
+/// Malformed entries are ignored rather than failing the whole value, and a
+/// value with no valid entry at all (`""`, `"abc"`) means *no* active port:
+/// the annotation is an explicit list, so the Pod then gets no traffic rather
+/// than traffic on ports it may not serve. Both match the reference EPP; the
+/// discovery loop logs a warning once per Pod and annotation value.
+pub fn parse_active_ports(value: &str) -> ActivePorts {
+    let mut out = ActivePorts::default();
+    for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        match entry.parse::<u16>() {
+            Ok(port) if port > 0 => {
+                out.ports.insert(port);
+            }
+            _ => out.invalid.push(entry.to_string()),
+        }
+    }
+    out
+}
+
+/// The Pod's active-ports annotation, parsed; `None` when it has none (all
+/// target ports are active).
+pub fn active_ports(pod: &Pod) -> Option<ActivePorts> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(ACTIVE_PORTS_ANNOTATION)
+        .map(|v| parse_active_ports(v))
+}
+
+/// Turns a Pod into its endpoints, one per target port it serves (all of
+/// `target_ports`, or those its [`ACTIVE_PORTS_ANNOTATION`] lists), named by
+/// [`endpoint_name`] and in `target_ports` order. Empty when the Pod must not
+/// receive traffic (not Ready, not Running, no IP, terminating). Pure.
+pub fn pod_to_endpoints(pod: &Pod, target_ports: &[u16]) -> Vec<Endpoint> {
+    endpoints_for(pod, target_ports, active_ports(pod).as_ref()).unwrap_or_default()
+}
+
+/// Single-port form of [`pod_to_endpoints`]: the endpoint named after the
+/// Pod, or `None` when it must not receive traffic (including when its
+/// active-ports annotation leaves `target_port` out).
+pub fn pod_to_endpoint(pod: &Pod, target_port: u16) -> Option<Endpoint> {
+    pod_to_endpoints(pod, &[target_port]).pop()
+}
+
+/// The Pod's endpoints given its parsed annotation; `None` when the Pod is
+/// not Ready (as opposed to Ready with no active target port: `Some(empty)`).
+fn endpoints_for(
+    pod: &Pod,
+    target_ports: &[u16],
+    active: Option<&ActivePorts>,
+) -> Option<Vec<Endpoint>> {
+    let base = ready_endpoint(pod)?;
+    let n = target_ports.len();
+    Some(
+        target_ports
+            .iter()
+            .enumerate()
+            .filter(|(_, port)| active.is_none_or(|a| a.ports.contains(port)))
+            .map(|(rank, &port)| Endpoint {
+                name: endpoint_name(&base.name, rank, n),
+                port,
+                ..base.clone()
+            })
+            .collect(),
+    )
+}
+
+/// The Pod as an endpoint (named after the Pod, port 0), or `None` when it
+/// must not receive traffic (not Ready, not Running, no IP, terminating).
 ///
 /// `models` is empty when the Pod has no (non-empty) `kinference.io/models`
-/// label; the caller then asks the Pod's `/v1/models`.
-pub fn pod_to_endpoint(pod: &Pod, target_port: u16) -> Option<Endpoint> {
+/// label; the caller then asks the endpoint's `/v1/models`.
+fn ready_endpoint(pod: &Pod) -> Option<Endpoint> {
     let meta = &pod.metadata;
     if meta.deletion_timestamp.is_some() {
         return None;
@@ -82,10 +206,11 @@ pub fn pod_to_endpoint(pod: &Pod, target_port: u16) -> Option<Endpoint> {
     let zone = labels.get(ZONE_LABEL).cloned().filter(|z| !z.is_empty());
     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
     Some(Endpoint {
+        pod: name.clone(),
         name,
         namespace: meta.namespace.clone().unwrap_or_default(),
         ip,
-        port: target_port,
+        port: 0,
         models,
         backend,
         zone,
@@ -145,18 +270,22 @@ fn selector_string(selector: &BTreeMap<String, String>) -> String {
 }
 
 /// Watches Pods in `namespace` matching `selector` and keeps `registry` in
-/// step; marks it synced after the first full listing. Runs until the task
-/// is dropped: API-server outages are retried by the watcher's backoff.
+/// step, one endpoint per Pod and active target port; marks it synced after
+/// the first full listing. Runs until the task is dropped: API-server
+/// outages are retried by the watcher's backoff.
 pub async fn run_pod_discovery(
     client: Client,
     namespace: String,
     selector: BTreeMap<String, String>,
-    target_port: u16,
+    target_ports: Vec<u16>,
     registry: Arc<EndpointRegistry>,
 ) -> anyhow::Result<()> {
     let selector_str = selector_string(&selector);
     if selector.is_empty() {
         warn!(%namespace, "empty pool selector: every Pod in the namespace is a candidate");
+    }
+    if target_ports.is_empty() {
+        warn!(%namespace, "the pool has no target ports: no Pod becomes an endpoint");
     }
     let api: Api<Pod> = Api::namespaced(client, &namespace);
     let mut config = watcher::Config::default();
@@ -165,8 +294,8 @@ pub async fn run_pod_discovery(
     }
     let stream = watcher(api, config).default_backoff();
     let mut stream = std::pin::pin!(stream);
-    let (mut state, mut rx) = DiscoveryState::new(target_port, registry);
-    info!(%namespace, selector = %selector_str, target_port, "starting pod discovery");
+    info!(%namespace, selector = %selector_str, ?target_ports, "starting pod discovery");
+    let (mut state, mut rx) = DiscoveryState::new(target_ports, registry);
     loop {
         tokio::select! {
             event = stream.next() => match event {
@@ -181,7 +310,7 @@ pub async fn run_pod_discovery(
     }
 }
 
-/// A `/v1/models` answer for one Pod at one address.
+/// A `/v1/models` answer for one endpoint at one address.
 struct ModelsFound {
     name: String,
     ip: IpAddr,
@@ -197,28 +326,37 @@ struct Tracked {
 }
 
 struct DiscoveryState {
-    target_port: u16,
+    /// The pool's target ports; rank `i` is `target_ports[i]`.
+    target_ports: Vec<u16>,
     registry: Arc<EndpointRegistry>,
     http: reqwest::Client,
     tx: mpsc::UnboundedSender<ModelsFound>,
+    /// Keyed by endpoint (registry) name, see [`endpoint_name`].
     tracked: HashMap<String, Tracked>,
     /// Endpoints collected during a (re)listing, applied at `InitDone`.
     init: Option<Vec<Endpoint>>,
+    /// Pods seen during the current (re)listing.
+    init_pods: HashSet<String>,
+    /// Pod name → the active-ports annotation value last warned about, so a
+    /// malformed value is logged once, not on every status update.
+    warned: HashMap<String, String>,
 }
 
 impl DiscoveryState {
     fn new(
-        target_port: u16,
+        target_ports: Vec<u16>,
         registry: Arc<EndpointRegistry>,
     ) -> (Self, mpsc::UnboundedReceiver<ModelsFound>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let state = Self {
-            target_port,
+            target_ports,
             registry,
             http: models_client(),
             tx,
             tracked: HashMap::new(),
             init: None,
+            init_pods: HashSet::new(),
+            warned: HashMap::new(),
         };
         (state, rx)
     }
@@ -228,11 +366,14 @@ impl DiscoveryState {
             watcher::Event::Init => {
                 debug!("pod listing started");
                 self.init = Some(Vec::new());
+                self.init_pods.clear();
             }
             watcher::Event::InitApply(pod) => {
-                if let Some(ep) = pod_to_endpoint(&pod, self.target_port) {
-                    self.init.get_or_insert_with(Vec::new).push(ep);
+                let eps = self.pod_endpoints(&pod).unwrap_or_default();
+                if let Some(name) = &pod.metadata.name {
+                    self.init_pods.insert(name.clone());
                 }
+                self.init.get_or_insert_with(Vec::new).extend(eps);
             }
             watcher::Event::InitDone => {
                 let listed = self.init.take().unwrap_or_default();
@@ -242,12 +383,15 @@ impl DiscoveryState {
                     let prev = self.tracked.remove(&name);
                     next.insert(name, self.prepare(ep, prev));
                 }
-                // Whatever is left was deleted (or stopped being Ready) while
-                // we were not watching; dropping it stops its poller.
+                // Whatever is left was deleted (or stopped being Ready, or
+                // lost its port) while we were not watching; dropping it
+                // stops its poller.
                 for name in self.tracked.keys() {
-                    info!(pod = %name, "pod gone after relist; removing endpoint");
+                    info!(endpoint = %name, "endpoint gone after relist; removing it");
                 }
                 self.tracked = next;
+                let pods = std::mem::take(&mut self.init_pods);
+                self.warned.retain(|pod, _| pods.contains(pod));
                 let eps: Vec<Endpoint> =
                     self.tracked.values().map(|t| t.endpoint.clone()).collect();
                 let n = eps.len();
@@ -256,30 +400,104 @@ impl DiscoveryState {
                 info!(endpoints = n, "pod discovery synced");
             }
             watcher::Event::Apply(pod) => {
-                let name = pod.metadata.name.clone().unwrap_or_default();
-                match pod_to_endpoint(&pod, self.target_port) {
-                    Some(ep) => {
-                        let prev = self.tracked.remove(&name);
-                        if prev.is_none() {
-                            info!(pod = %name, address = %ep.address(), "pod ready; adding endpoint");
-                        }
-                        let t = self.prepare(ep, prev);
-                        self.registry.upsert(t.endpoint.clone());
-                        self.tracked.insert(name, t);
+                let pod_name = pod.metadata.name.clone().unwrap_or_default();
+                let eps = self.pod_endpoints(&pod);
+                let why = if eps.is_some() {
+                    "target port not active"
+                } else {
+                    "pod not ready"
+                };
+                let eps = eps.unwrap_or_default();
+                // Ranks the Pod no longer serves (all of them when not Ready).
+                let stale: Vec<String> = endpoint_names(&pod_name, self.target_ports.len())
+                    .filter(|name| !eps.iter().any(|ep| &ep.name == name))
+                    .collect();
+                for name in &stale {
+                    self.forget(name, why);
+                }
+                for ep in eps {
+                    let name = ep.name.clone();
+                    let prev = self.tracked.remove(&name);
+                    if prev.is_none() {
+                        info!(endpoint = %name, pod = %pod_name, address = %ep.address(), "adding endpoint");
                     }
-                    None => self.forget(&name, "pod not ready"),
+                    let t = self.prepare(ep, prev);
+                    self.registry.upsert(t.endpoint.clone());
+                    self.tracked.insert(name, t);
                 }
             }
             watcher::Event::Delete(pod) => {
-                let name = pod.metadata.name.clone().unwrap_or_default();
-                self.forget(&name, "pod deleted");
+                let pod_name = pod.metadata.name.clone().unwrap_or_default();
+                let names: Vec<String> =
+                    endpoint_names(&pod_name, self.target_ports.len()).collect();
+                for name in &names {
+                    self.forget(name, "pod deleted");
+                }
+                self.warned.remove(&pod_name);
             }
         }
     }
 
+    /// The Pod's endpoints (`None` when not Ready), warning about a malformed
+    /// active-ports annotation.
+    fn pod_endpoints(&mut self, pod: &Pod) -> Option<Vec<Endpoint>> {
+        let active = active_ports(pod);
+        if let Some(name) = &pod.metadata.name {
+            let value = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ACTIVE_PORTS_ANNOTATION));
+            self.check_active_ports(name, value.map(String::as_str), active.as_ref());
+        }
+        endpoints_for(pod, &self.target_ports, active.as_ref())
+    }
+
+    /// Warns, once per Pod and annotation value, about annotation entries
+    /// that are not port numbers or not target ports of the pool, and about
+    /// an annotation that leaves no port active. True when it warned.
+    fn check_active_ports(
+        &mut self,
+        pod: &str,
+        value: Option<&str>,
+        active: Option<&ActivePorts>,
+    ) -> bool {
+        let (Some(value), Some(active)) = (value, active) else {
+            self.warned.remove(pod);
+            return false;
+        };
+        let not_target: Vec<u16> = active
+            .ports
+            .iter()
+            .copied()
+            .filter(|p| !self.target_ports.contains(p))
+            .collect();
+        let none_active = !self.target_ports.iter().any(|p| active.ports.contains(p));
+        if active.invalid.is_empty() && not_target.is_empty() && !none_active {
+            self.warned.remove(pod);
+            return false;
+        }
+        if self.warned.get(pod).map(String::as_str) == Some(value) {
+            return false;
+        }
+        warn!(
+            pod = %pod,
+            annotation = ACTIVE_PORTS_ANNOTATION,
+            %value,
+            invalid = ?active.invalid,
+            not_target_ports = ?not_target,
+            target_ports = ?self.target_ports,
+            no_active_port = none_active,
+            "active-ports annotation: ignoring entries that are not target ports of the pool \
+             (a Pod left with no active target port gets no traffic)"
+        );
+        self.warned.insert(pod.to_string(), value.to_string());
+        true
+    }
+
     fn forget(&mut self, name: &str, why: &str) {
         if self.tracked.remove(name).is_some() {
-            info!(pod = %name, reason = why, "removing endpoint");
+            info!(endpoint = %name, reason = why, "removing endpoint");
         }
         self.registry.remove(name);
     }
@@ -322,12 +540,12 @@ impl DiscoveryState {
         let Some(t) = self.tracked.get_mut(&found.name) else {
             return;
         };
-        // A late answer from a previous incarnation of the Pod is dropped.
+        // A late answer from a previous incarnation of the endpoint is dropped.
         if t.poller.is_none() || t.endpoint.ip != found.ip || t.endpoint.port != found.port {
             return;
         }
         if t.endpoint.models != found.models {
-            info!(pod = %found.name, models = ?found.models, "learned models from /v1/models");
+            info!(endpoint = %found.name, models = ?found.models, "learned models from /v1/models");
             t.endpoint.models = found.models;
             self.registry.upsert(t.endpoint.clone());
         }
@@ -386,7 +604,7 @@ async fn poll_models(
                 tokio::time::sleep(MODELS_REFRESH).await;
             }
             Err(error) => {
-                debug!(pod = %name, %address, %error, retry_in = ?retry, "GET /v1/models failed");
+                debug!(endpoint = %name, %address, %error, retry_in = ?retry, "GET /v1/models failed");
                 tokio::time::sleep(retry).await;
                 retry = (retry * 2).min(MODELS_RETRY_MAX);
             }
@@ -658,7 +876,7 @@ mod tests {
     async fn watch_events_drive_the_registry() {
         use watcher::Event;
         let reg = EndpointRegistry::new(Duration::from_secs(5));
-        let (mut st, _rx) = DiscoveryState::new(8000, Arc::clone(&reg));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000], Arc::clone(&reg));
 
         // Initial listing: nothing visible before InitDone.
         st.on_event(Event::Init);
@@ -695,7 +913,7 @@ mod tests {
     async fn models_from_v1_models_are_applied_to_the_right_pod() {
         use watcher::Event;
         let reg = EndpointRegistry::new(Duration::from_secs(5));
-        let (mut st, _rx) = DiscoveryState::new(8000, Arc::clone(&reg));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000], Arc::clone(&reg));
         st.on_event(Event::Init);
         st.on_event(Event::InitApply(ready_pod("u", &[])));
         st.on_event(Event::InitDone);
@@ -742,6 +960,264 @@ mod tests {
             models: vec!["llama".into()],
         });
         assert_eq!(reg.get("u").unwrap().models, ["pinned"]);
+    }
+
+    fn annotated(mut pod: Pod, active_ports: &str) -> Pod {
+        pod.metadata.annotations = Some(BTreeMap::from([(
+            "inference.networking.k8s.io/active-ports".to_string(),
+            active_ports.to_string(),
+        )]));
+        pod
+    }
+
+    fn addresses(reg: &EndpointRegistry) -> Vec<String> {
+        let mut a: Vec<_> = reg.endpoints().iter().map(|e| e.address()).collect();
+        a.sort();
+        a
+    }
+
+    #[test]
+    fn annotation_name_is_the_inference_extension_one() {
+        assert_eq!(
+            ACTIVE_PORTS_ANNOTATION,
+            "inference.networking.k8s.io/active-ports"
+        );
+    }
+
+    #[test]
+    fn endpoint_names_per_rank() {
+        assert_eq!(endpoint_name("vllm-0", 0, 1), "vllm-0");
+        assert_eq!(endpoint_name("vllm-0", 0, 2), "vllm-0-rank-0");
+        assert_eq!(endpoint_name("vllm-0", 7, 8), "vllm-0-rank-7");
+        assert_eq!(
+            endpoint_names("p", 3).collect::<Vec<_>>(),
+            ["p-rank-0", "p-rank-1", "p-rank-2"]
+        );
+        assert_eq!(endpoint_names("p", 1).collect::<Vec<_>>(), ["p"]);
+        // A Pod whose own name ends like a rank cannot collide with another
+        // Pod's rank.
+        assert_ne!(endpoint_name("a-rank-0", 1, 2), endpoint_name("a", 0, 2));
+    }
+
+    #[test]
+    fn two_target_ports_make_two_endpoints() {
+        let pod = ready_pod(
+            "vllm-0",
+            &[
+                (MODELS_LABEL, "llama"),
+                (BACKEND_LABEL, "vllm-dp"),
+                ("app", "vllm"),
+            ],
+        );
+        let eps = pod_to_endpoints(&pod, &[8000, 8001]);
+        let names: Vec<_> = eps.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["vllm-0-rank-0", "vllm-0-rank-1"]);
+        let addrs: Vec<_> = eps.iter().map(Endpoint::address).collect();
+        assert_eq!(addrs, ["10.1.2.3:8000", "10.1.2.3:8001"]);
+        // Everything else identifies the Pod, the same for both ranks.
+        for ep in &eps {
+            assert_eq!(ep.pod, "vllm-0", "the policy's `endpoint` is the Pod");
+            assert_eq!(ep.namespace, "llm");
+            assert_eq!(ep.models, ["llama"]);
+            assert_eq!(ep.backend.as_deref(), Some("vllm-dp"));
+            assert_eq!(ep.node.as_deref(), Some("node-a"));
+            assert_eq!(ep.labels.get("app").map(String::as_str), Some("vllm"));
+        }
+        // One port: the endpoint is named after the Pod, as before.
+        let one = pod_to_endpoints(&pod, &[8000]);
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].name, "vllm-0");
+        assert_eq!(pod_to_endpoint(&pod, 8000), one.into_iter().next());
+        // Not ready: no endpoint on any port.
+        let mut p = pod.clone();
+        p.status.as_mut().unwrap().phase = Some("Pending".into());
+        assert!(pod_to_endpoints(&p, &[8000, 8001]).is_empty());
+    }
+
+    #[test]
+    fn active_ports_annotation_restricts_the_ports() {
+        let pod = ready_pod("p", &[]);
+        let ports = [8000, 8001, 8002];
+        let ranks = |pod: &Pod| -> Vec<(String, u16)> {
+            pod_to_endpoints(pod, &ports)
+                .into_iter()
+                .map(|e| (e.name, e.port))
+                .collect()
+        };
+        assert_eq!(ranks(&pod).len(), 3, "no annotation: every target port");
+        assert_eq!(
+            ranks(&annotated(pod.clone(), "8001")),
+            [("p-rank-1".to_string(), 8001)],
+            "the rank keeps its index among the target ports"
+        );
+        assert_eq!(
+            ranks(&annotated(pod.clone(), " 8002 , 8000,")),
+            [
+                ("p-rank-0".to_string(), 8000),
+                ("p-rank-2".to_string(), 8002)
+            ]
+        );
+        assert!(
+            ranks(&annotated(pod.clone(), "9000")).is_empty(),
+            "ports outside the pool are ignored"
+        );
+        assert!(
+            ranks(&annotated(pod.clone(), "")).is_empty(),
+            "an empty list means no active port"
+        );
+        // Single-port pools honour it too.
+        assert!(pod_to_endpoint(&annotated(pod.clone(), "8001"), 8000).is_none());
+        assert!(pod_to_endpoint(&annotated(pod, "8000"), 8000).is_some());
+    }
+
+    #[test]
+    fn bad_active_ports_entries_are_ignored() {
+        let parsed = parse_active_ports("8000, abc,,-1,0,70000, 8001 ,80x1");
+        assert_eq!(parsed.ports, BTreeSet::from([8000, 8001]));
+        assert_eq!(parsed.invalid, ["abc", "-1", "0", "70000", "80x1"]);
+        assert_eq!(parse_active_ports(""), ActivePorts::default());
+
+        let pod = ready_pod("p", &[]);
+        let eps = pod_to_endpoints(&annotated(pod.clone(), "abc,8001"), &[8000, 8001]);
+        assert_eq!(eps.len(), 1, "valid entries still apply");
+        assert_eq!(eps[0].address(), "10.1.2.3:8001");
+        assert!(
+            pod_to_endpoints(&annotated(pod, "abc"), &[8000, 8001]).is_empty(),
+            "no valid entry: no active port (fail closed, like the reference EPP)"
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_annotation_is_warned_about_once_per_value() {
+        use watcher::Event;
+        let reg = EndpointRegistry::new(Duration::from_secs(5));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000, 8001], Arc::clone(&reg));
+        let active = |v: &str| Some(parse_active_ports(v));
+        assert!(!st.check_active_ports("p", Some("8000"), active("8000").as_ref()));
+        assert!(!st.check_active_ports("p", None, None));
+        assert!(st.check_active_ports("p", Some("x,8000"), active("x,8000").as_ref()));
+        assert!(
+            !st.check_active_ports("p", Some("x,8000"), active("x,8000").as_ref()),
+            "same value: logged once"
+        );
+        assert!(st.check_active_ports("p", Some("9000"), active("9000").as_ref()));
+        assert!(st.check_active_ports("q", Some(""), active("").as_ref()));
+        // Fixed, then broken the same way again: warned again.
+        assert!(!st.check_active_ports("p", Some("8001"), active("8001").as_ref()));
+        assert!(st.check_active_ports("p", Some("9000"), active("9000").as_ref()));
+
+        // Through the event loop: a malformed value on repeated status
+        // updates is remembered, and forgotten with the Pod.
+        let bad = annotated(labelled("r"), "8001,junk");
+        st.on_event(Event::Apply(bad.clone()));
+        st.on_event(Event::Apply(bad.clone()));
+        assert_eq!(st.warned.get("r").map(String::as_str), Some("8001,junk"));
+        assert_eq!(names(&reg), ["r-rank-1"]);
+        st.on_event(Event::Delete(bad));
+        assert!(!st.warned.contains_key("r"));
+        assert!(reg.is_empty());
+    }
+
+    #[tokio::test]
+    async fn annotation_change_adds_and_removes_endpoints() {
+        use watcher::Event;
+        let reg = EndpointRegistry::new(Duration::from_secs(60));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000, 8001], Arc::clone(&reg));
+        st.on_event(Event::Init);
+        st.on_event(Event::InitApply(annotated(labelled("p"), "8000")));
+        st.on_event(Event::InitDone);
+        assert_eq!(names(&reg), ["p-rank-0"]);
+        assert_eq!(addresses(&reg), ["10.1.2.3:8000"]);
+        reg.set_metrics(
+            "p-rank-0",
+            crate::endpoints::ScrapedMetrics::empty(std::time::Instant::now()),
+        );
+
+        // Rank 1 comes up: added; rank 0 untouched (metrics kept).
+        st.on_event(Event::Apply(annotated(labelled("p"), "8000,8001")));
+        assert_eq!(names(&reg), ["p-rank-0", "p-rank-1"]);
+        assert_eq!(addresses(&reg), ["10.1.2.3:8000", "10.1.2.3:8001"]);
+        let snap = reg.snapshot();
+        let rank0 = snap.iter().find(|v| v.endpoint.name == "p-rank-0").unwrap();
+        assert!(
+            rank0.metrics.is_some(),
+            "an unchanged rank keeps its metrics"
+        );
+
+        // Rank 0 goes away.
+        st.on_event(Event::Apply(annotated(labelled("p"), "8001")));
+        assert_eq!(names(&reg), ["p-rank-1"]);
+        assert_eq!(addresses(&reg), ["10.1.2.3:8001"]);
+        assert!(!st.tracked.contains_key("p-rank-0"));
+
+        // The annotation is removed: every target port.
+        st.on_event(Event::Apply(labelled("p")));
+        assert_eq!(names(&reg), ["p-rank-0", "p-rank-1"]);
+
+        // None listed: the Pod stays, its endpoints go.
+        st.on_event(Event::Apply(annotated(labelled("p"), "")));
+        assert!(reg.is_empty());
+        assert!(st.tracked.is_empty());
+    }
+
+    #[tokio::test]
+    async fn pod_events_move_all_ranks_together() {
+        use watcher::Event;
+        let reg = EndpointRegistry::new(Duration::from_secs(5));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000, 8001], Arc::clone(&reg));
+        st.on_event(Event::Init);
+        st.on_event(Event::InitApply(labelled("a")));
+        st.on_event(Event::InitApply(labelled("b")));
+        st.on_event(Event::InitDone);
+        assert_eq!(
+            names(&reg),
+            ["a-rank-0", "a-rank-1", "b-rank-0", "b-rank-1"]
+        );
+
+        // Deleting a Pod removes both of its endpoints, and only those.
+        st.on_event(Event::Delete(labelled("a")));
+        assert_eq!(names(&reg), ["b-rank-0", "b-rank-1"]);
+        assert!(!st.tracked.contains_key("a-rank-0") && !st.tracked.contains_key("a-rank-1"));
+
+        // Not Ready: both go; Ready again: both come back.
+        let mut b = labelled("b");
+        b.status.as_mut().unwrap().conditions.as_mut().unwrap()[1].status = "False".into();
+        st.on_event(Event::Apply(b));
+        assert!(reg.is_empty());
+        st.on_event(Event::Apply(labelled("b")));
+        assert_eq!(names(&reg), ["b-rank-0", "b-rank-1"]);
+
+        // A relist drops ranks whose Pod vanished meanwhile.
+        st.on_event(Event::Init);
+        st.on_event(Event::InitApply(annotated(labelled("c"), "8001")));
+        st.on_event(Event::InitDone);
+        assert_eq!(names(&reg), ["c-rank-1"]);
+    }
+
+    #[tokio::test]
+    async fn each_rank_learns_its_own_models() {
+        use watcher::Event;
+        let reg = EndpointRegistry::new(Duration::from_secs(5));
+        let (mut st, _rx) = DiscoveryState::new(vec![8000, 8001], Arc::clone(&reg));
+        st.on_event(Event::Apply(ready_pod("u", &[])));
+        assert!(st.tracked["u-rank-0"].poller.is_some());
+        assert!(st.tracked["u-rank-1"].poller.is_some());
+        let ip: IpAddr = "10.1.2.3".parse().unwrap();
+        st.on_models(ModelsFound {
+            name: "u-rank-1".into(),
+            ip,
+            port: 8000,
+            models: vec!["wrong-port".into()],
+        });
+        assert!(reg.get("u-rank-1").unwrap().models.is_empty());
+        st.on_models(ModelsFound {
+            name: "u-rank-1".into(),
+            ip,
+            port: 8001,
+            models: vec!["llama".into()],
+        });
+        assert_eq!(reg.get("u-rank-1").unwrap().models, ["llama"]);
+        assert!(reg.get("u-rank-0").unwrap().models.is_empty());
     }
 
     #[test]

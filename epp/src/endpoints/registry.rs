@@ -42,8 +42,12 @@ pub fn default_staleness(scrape_interval: Duration) -> Duration {
 /// One model-server endpoint the EPP may route to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    /// Unique key in the registry (the Pod name under discovery).
+    /// Unique key in the registry: the Pod name under discovery, or
+    /// `<pod>-rank-<i>` when the pool has several target ports.
     pub name: String,
+    /// The Pod (or standalone server) this endpoint belongs to: the policy's
+    /// `endpoint` attribute, shared by a Pod's data-parallel ranks.
+    pub pod: String,
     /// Kubernetes namespace; empty for standalone endpoints.
     pub namespace: String,
     /// Address the gateway should send traffic to.
@@ -443,6 +447,7 @@ mod tests {
     fn ep(name: &str, port: u16) -> Endpoint {
         Endpoint {
             name: name.into(),
+            pod: name.into(),
             namespace: "ns".into(),
             ip: "10.0.0.1".parse().unwrap(),
             port,

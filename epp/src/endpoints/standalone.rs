@@ -115,6 +115,7 @@ pub fn endpoints_from_specs(
             bail!("endpoint #{}: duplicate name {name:?}", i + 1);
         }
         out.push(Endpoint {
+            pod: name.clone(),
             name,
             namespace: spec.namespace.unwrap_or_default(),
             ip: addr.ip(),
