@@ -1,6 +1,7 @@
 //! Command-line flags of `kinference-epp`. In the library so the operator's
 //! generated Deployment can be checked against them.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -12,6 +13,9 @@ use clap::Parser;
     about = "Kinference endpoint picker (Envoy ext_proc)"
 )]
 pub struct Args {
+    /// Address all three ports listen on (`::` for every IPv6 and IPv4 address).
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    pub bind_address: IpAddr,
     /// ext_proc gRPC port.
     #[arg(long, default_value_t = 9002)]
     pub grpc_port: u16,
@@ -33,6 +37,11 @@ pub struct Args {
     /// This Pod's name, to report the loaded policy hash on it.
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
+    /// Provider API keys from files laid out as mounted Secrets are,
+    /// `DIR/<secret-name>/<key>`, instead of watching the Secrets through the
+    /// API. Re-read when the policy changes and every few seconds.
+    #[arg(long, value_name = "DIR")]
+    pub provider_secrets_dir: Option<PathBuf>,
     /// Standalone mode: endpoints from this file instead of Pod discovery.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -45,6 +54,12 @@ pub struct Args {
     pub enable_conformance_hooks: bool,
     #[arg(long, default_value_t = 50)]
     pub scrape_interval_ms: u64,
+    /// Fallback endpoints listed after the selected one in the `envoy.lb`
+    /// metadata, for gateways that retry along the list (Envoy's override-host
+    /// policy). The header always names the selected endpoint alone. 0 keeps
+    /// the metadata equal to the header.
+    #[arg(long, default_value_t = 3)]
+    pub fallback_endpoints: usize,
     /// Serve ext_proc over TLS with a self-signed certificate (the reference
     /// EPP's default); `--secure-serving=false` for plaintext.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -52,4 +67,51 @@ pub struct Args {
     /// Log as JSON (default) or human-readable text.
     #[arg(long, default_value_t = false)]
     pub text_logs: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Args;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("kinference-epp").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn bind_address_defaults_to_every_ipv4_address() {
+        let args = parse(&[]).unwrap();
+        assert_eq!(args.bind_address.to_string(), "0.0.0.0");
+        assert_eq!(
+            (args.grpc_port, args.grpc_health_port, args.metrics_port),
+            (9002, 9003, 9090)
+        );
+    }
+
+    #[test]
+    fn bind_address_takes_ipv4_and_ipv6() {
+        for addr in ["127.0.0.1", "::", "::1", "10.1.2.3"] {
+            let args = parse(&["--bind-address", addr]).unwrap();
+            assert_eq!(args.bind_address, addr.parse::<std::net::IpAddr>().unwrap());
+        }
+        for bad in ["localhost", "0.0.0.0:9002", ""] {
+            assert!(parse(&["--bind-address", bad]).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn provider_secrets_dir_parses() {
+        assert_eq!(parse(&[]).unwrap().provider_secrets_dir, None);
+        let args = parse(&["--provider-secrets-dir", "/etc/kinference/secrets"]).unwrap();
+        assert_eq!(
+            args.provider_secrets_dir.as_deref(),
+            Some(std::path::Path::new("/etc/kinference/secrets"))
+        );
+    }
 }

@@ -3,7 +3,6 @@
 //! its own Pod (the operator's Ready condition reads it).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -15,6 +14,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
 
 use crate::endpoints::run_pod_discovery;
+use crate::provider_keys::{SecretCache, SharedSecretCache, current_key_refs, secret_names};
 use crate::server::Epp;
 
 /// Watches the policy ConfigMap and loads each version; a bad one is refused
@@ -45,28 +45,28 @@ pub async fn watch_policy_configmap(epp: Epp, client: Client, namespace: String,
 }
 
 /// Runs Pod discovery for the loaded policy's pool, restarting it when the
-/// selector or port changes.
+/// selector or the list of target ports (any of them, or their order, which
+/// fixes the rank names) changes.
 pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
     let mut changes = epp.policy().subscribe();
-    let mut current: Option<(BTreeMap<String, String>, u16)> = None;
+    let mut current: Option<(BTreeMap<String, String>, Vec<u16>)> = None;
     let mut task: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let wanted = epp.policy().current().and_then(|p| {
             let pool = &p.compiled.pool;
-            pool.target_ports
-                .first()
-                .map(|port| (pool.selector.clone(), *port))
+            (!pool.target_ports.is_empty())
+                .then(|| (pool.selector.clone(), pool.target_ports.clone()))
         });
         if wanted != current {
             if let Some(t) = task.take() {
                 t.abort();
             }
-            if let Some((selector, port)) = wanted.clone() {
+            if let Some((selector, ports)) = wanted.clone() {
                 let (client, ns, registry) =
                     (client.clone(), namespace.clone(), epp.registry().clone());
                 task = Some(tokio::spawn(async move {
                     if let Err(error) =
-                        run_pod_discovery(client, ns, selector, port, registry).await
+                        run_pod_discovery(client, ns, selector, ports, registry).await
                     {
                         tracing::error!(%error, "pod discovery stopped");
                     }
@@ -80,38 +80,86 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
     }
 }
 
-/// Keeps provider API keys in memory, read from the Secrets the policy names.
-pub async fn refresh_provider_keys(epp: Epp, client: Client, namespace: String, every: Duration) {
+/// Keeps provider API keys in memory, read from the Secrets the policy names:
+/// one reader per referenced Secret, started at once and restarted when the
+/// policy's set of Secret names changes. Each reads its Secret by name every
+/// [`SECRET_REFRESH`]: the EPP's Role grants `get` on exactly those names and
+/// nothing more (a watch would need `list`/`watch`, which the operator would
+/// then have to hold on every Secret of the cluster to grant them). A Secret
+/// created, rotated or deleted later is seen within that interval.
+pub async fn watch_provider_secrets(epp: Epp, client: Client, namespace: String) {
+    /// Aborting this task (or its ending) stops the readers it started.
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
     let api: Api<Secret> = Api::namespaced(client, &namespace);
+    let cache = SharedSecretCache::default();
+    let mut changes = epp.policy().subscribe();
+    let mut readers: BTreeMap<String, AbortOnDrop> = BTreeMap::new();
     loop {
-        if let Some(policy) = epp.policy().current() {
-            let mut keys = BTreeMap::new();
-            for provider in &policy.compiled.providers {
-                let Some(secret_ref) = &provider.secret else {
-                    continue;
-                };
-                let key = secret_ref.key.as_deref().unwrap_or("apiKey");
-                match api.get_opt(&secret_ref.name).await {
-                    Ok(Some(secret)) => {
-                        if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
-                            keys.insert(
-                                provider.name.clone(),
-                                String::from_utf8_lossy(&v.0).trim().to_string(),
-                            );
-                        }
+        let wanted = secret_names(&current_key_refs(&epp));
+        readers.retain(|name, _| wanted.contains(name));
+        {
+            let mut c = SecretCache::lock(&cache);
+            c.secrets.retain(|name, _| wanted.contains(name));
+        }
+        for name in wanted {
+            readers.entry(name).or_insert_with_key(|name| {
+                AbortOnDrop(tokio::spawn(read_secret(
+                    epp.clone(),
+                    api.clone(),
+                    name.clone(),
+                    cache.clone(),
+                )))
+            });
+        }
+        SecretCache::lock(&cache).publish(&epp);
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// How often a provider Secret is read again.
+pub const SECRET_REFRESH: Duration = Duration::from_secs(2);
+
+/// Reads one Secret by name now and every [`SECRET_REFRESH`], mirroring its
+/// data into `cache`. An error keeps the last data read (an API server
+/// restart does not drop the keys) and is logged once until it changes.
+async fn read_secret(epp: Epp, api: Api<Secret>, name: String, cache: SharedSecretCache) {
+    let mut last_error: Option<String> = None;
+    loop {
+        match api.get_opt(&name).await {
+            Ok(secret) => {
+                if last_error.take().is_some() {
+                    tracing::info!(secret = %name, "provider Secret readable again");
+                }
+                let mut c = SecretCache::lock(&cache);
+                c.secrets
+                    .insert(name.clone(), secret.map(|s| s.data.unwrap_or_default()));
+                c.publish(&epp);
+            }
+            Err(error) => {
+                let text = error.to_string();
+                if last_error.as_deref() != Some(text.as_str()) {
+                    if is_forbidden(&error) {
+                        tracing::warn!(secret = %name, %error, "reading a provider Secret is forbidden: the EPP's Role needs get on it");
+                    } else {
+                        tracing::warn!(secret = %name, %error, "cannot read a provider Secret; keeping the last key read");
                     }
-                    Ok(None) => {
-                        tracing::warn!(provider = %provider.name, secret = %secret_ref.name, "provider Secret not found")
-                    }
-                    Err(error) => {
-                        tracing::warn!(provider = %provider.name, %error, "cannot read provider Secret")
-                    }
+                    last_error = Some(text);
                 }
             }
-            epp.picker.provider_keys.store(Arc::new(keys));
         }
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(SECRET_REFRESH).await;
     }
+}
+
+fn is_forbidden(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(s) if s.is_forbidden())
 }
 
 /// Writes the loaded policy hash onto this EPP's Pod whenever it changes.

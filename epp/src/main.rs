@@ -1,7 +1,7 @@
 //! `kinference-epp`: the endpoint picker process.
 #![forbid(unsafe_code)]
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -10,6 +10,7 @@ use kinference_epp::cli::Args;
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
+use kinference_epp::provider_keys;
 use kinference_epp::server::{Epp, Settings, bind};
 
 #[tokio::main]
@@ -22,6 +23,7 @@ async fn main() -> anyhow::Result<()> {
         ext_proc: ExtProcConfig {
             max_body_bytes: args.max_body_bytes,
             conformance_hooks: args.enable_conformance_hooks,
+            fallbacks: args.fallback_endpoints,
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         secure_serving: args.secure_serving,
@@ -30,6 +32,13 @@ async fn main() -> anyhow::Result<()> {
     let mut background = Vec::new();
     if let Some(path) = &args.policy_file {
         background.push(epp.watch_policy_file(path.clone(), Duration::from_secs(1)));
+    }
+    if let Some(dir) = &args.provider_secrets_dir {
+        background.push(provider_keys::watch_secrets_dir(
+            epp.clone(),
+            dir.clone(),
+            Duration::from_secs(2),
+        ));
     }
     if let Some(path) = &args.endpoints_file {
         let endpoints =
@@ -56,12 +65,13 @@ async fn main() -> anyhow::Result<()> {
                 args.namespace.clone(),
             )));
         }
-        background.push(tokio::spawn(k8s::refresh_provider_keys(
-            epp.clone(),
-            client.clone(),
-            args.namespace.clone(),
-            Duration::from_secs(30),
-        )));
+        if args.provider_secrets_dir.is_none() {
+            background.push(tokio::spawn(k8s::watch_provider_secrets(
+                epp.clone(),
+                client.clone(),
+                args.namespace.clone(),
+            )));
+        }
         if let Some(pod) = args.pod_name.clone() {
             background.push(tokio::spawn(k8s::report_loaded_hash(
                 epp.clone(),
@@ -73,13 +83,14 @@ async fn main() -> anyhow::Result<()> {
     }
     background.push(epp.spawn_scraper());
 
-    let any = |port| SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
+    let at = |port| SocketAddr::new(args.bind_address, port);
     let (grpc, health, http) = (
-        bind(any(args.grpc_port)).await?,
-        bind(any(args.grpc_health_port)).await?,
-        bind(any(args.metrics_port)).await?,
+        bind(at(args.grpc_port)).await?,
+        bind(at(args.grpc_health_port)).await?,
+        bind(at(args.metrics_port)).await?,
     );
     tracing::info!(
+        address = %args.bind_address,
         grpc = args.grpc_port,
         health = args.grpc_health_port,
         metrics = args.metrics_port,

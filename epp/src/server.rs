@@ -4,16 +4,21 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use anyhow::Context as _;
 
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
+use futures::FutureExt as _;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
 
 use crate::endpoints::{EndpointRegistry, default_staleness, spawn_scraper};
 use crate::extproc::{ExtProcConfig, ExtProcService};
@@ -57,6 +62,57 @@ impl Default for Settings {
 pub struct Epp {
     pub picker: Arc<Picker>,
     pub settings: Arc<Settings>,
+    health: Arc<Health>,
+}
+
+/// gRPC health statuses, shared by every server that answers
+/// `grpc.health.v1.Health` (the health port and the ext_proc port): one
+/// reporter, and one task making `readiness` follow [`Epp::ready`] while at
+/// least one of them serves.
+struct Health {
+    reporter: HealthReporter,
+    /// Servers using the statuses, and the readiness task while there are any.
+    follower: Mutex<(usize, Option<tokio::task::JoinHandle<()>>)>,
+}
+
+impl Health {
+    /// Every service name SERVING but `readiness`, NOT_SERVING until the
+    /// follower sees [`Epp::ready`].
+    fn new() -> Self {
+        let reporter = HealthReporter::new();
+        for name in HEALTH_SERVICES {
+            let status = if *name == "readiness" {
+                ServingStatus::NotServing
+            } else {
+                ServingStatus::Serving
+            };
+            // A reporter nobody else holds yet: its lock is free, so this
+            // completes on the first poll.
+            reporter
+                .set_service_status(name, status)
+                .now_or_never()
+                .expect("a fresh health reporter is not locked");
+        }
+        Health {
+            reporter,
+            follower: Mutex::new((0, None)),
+        }
+    }
+}
+
+/// Keeps the readiness follower running while held (see [`Epp::health_service`]).
+struct HealthUse(Arc<Health>);
+
+impl Drop for HealthUse {
+    fn drop(&mut self) {
+        let mut follower = self.0.follower.lock().unwrap_or_else(|e| e.into_inner());
+        follower.0 -= 1;
+        if follower.0 == 0
+            && let Some(task) = follower.1.take()
+        {
+            task.abort();
+        }
+    }
 }
 
 impl Epp {
@@ -71,6 +127,7 @@ impl Epp {
         Epp {
             picker: Arc::new(picker),
             settings: Arc::new(settings),
+            health: Arc::new(Health::new()),
         }
     }
 
@@ -97,7 +154,9 @@ impl Epp {
     }
 
     /// Serves ext_proc on `listener` until `shutdown` resolves. In-flight
-    /// streams finish; new ones are refused.
+    /// streams finish; new ones are refused. gRPC health is served here too
+    /// (gateways such as llm-d's Envoy health-check the ext_proc port), with
+    /// the same statuses as [`Epp::serve_health`].
     pub async fn serve_ext_proc(
         &self,
         listener: TcpListener,
@@ -108,9 +167,11 @@ impl Epp {
         if self.settings.secure_serving {
             builder = builder.tls_config(self_signed_tls()?)?;
         }
+        let (health, _using) = self.health_service();
         builder
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .add_service(service.into_server())
+            .add_service(health)
             .serve_with_incoming_shutdown(no_delay(listener), shutdown)
             .await?;
         Ok(())
@@ -123,40 +184,41 @@ impl Epp {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> anyhow::Result<()> {
-        let (reporter, service) = tonic_health::server::health_reporter();
-        for name in std::iter::once("").chain(HEALTH_SERVICES.iter().copied()) {
-            if name != "readiness" {
-                reporter
-                    .set_service_status(name, ServingStatus::Serving)
-                    .await;
-            }
-        }
-        reporter
-            .set_service_status("readiness", ServingStatus::NotServing)
-            .await;
-        let epp = self.clone();
-        let watcher = tokio::spawn(async move {
-            let mut last = None;
-            loop {
-                let ready = epp.ready();
-                if last != Some(ready) {
-                    let status = if ready {
-                        ServingStatus::Serving
-                    } else {
-                        ServingStatus::NotServing
-                    };
-                    reporter.set_service_status("readiness", status).await;
-                    last = Some(ready);
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
-        let result = tonic::transport::Server::builder()
-            .add_service(service)
+        let (health, _using) = self.health_service();
+        tonic::transport::Server::builder()
+            .add_service(health)
             .serve_with_incoming_shutdown(no_delay(listener), shutdown)
-            .await;
-        watcher.abort();
-        Ok(result?)
+            .await?;
+        Ok(())
+    }
+
+    /// A `grpc.health.v1.Health` service over the EPP's one set of statuses,
+    /// and a guard keeping `readiness` up to date while it is held.
+    fn health_service(&self) -> (HealthServer<HealthService>, HealthUse) {
+        let health = &self.health;
+        let mut follower = health.follower.lock().unwrap_or_else(|e| e.into_inner());
+        follower.0 += 1;
+        if follower.1.is_none() {
+            let (epp, reporter) = (self.clone(), health.reporter.clone());
+            follower.1 = Some(tokio::spawn(async move {
+                let mut last = None;
+                loop {
+                    let ready = epp.ready();
+                    if last != Some(ready) {
+                        let status = if ready {
+                            ServingStatus::Serving
+                        } else {
+                            ServingStatus::NotServing
+                        };
+                        reporter.set_service_status("readiness", status).await;
+                        last = Some(ready);
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }));
+        }
+        let service = HealthService::from_health_reporter(health.reporter.clone());
+        (HealthServer::new(service), HealthUse(health.clone()))
     }
 
     /// `/metrics`, `/healthz`, `/readyz`, `/debug/explain`, `/debug/policy`.
@@ -233,7 +295,9 @@ fn self_signed_tls() -> anyhow::Result<tonic::transport::ServerTlsConfig> {
 
 /// Binds a loopback or wildcard address, for callers that need the port first.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    Ok(TcpListener::bind(addr).await?)
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))
 }
 
 async fn metrics(State(epp): State<Epp>) -> impl IntoResponse {

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use kinference_epp::client::{EppClient, HttpRequest};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::server::{Epp, HEALTH_SERVICES, Settings};
+use kinference_testbed::extproc_client::{EppClient, HttpRequest};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -128,4 +128,61 @@ async fn http_and_grpc_health_metrics_and_explain() {
         !explain.contains("sk-should-not-leak"),
         "no credentials in explain"
     );
+}
+
+/// llm-d's Envoy health-checks gRPC on the ext_proc port itself: it answers
+/// the same statuses as the health port, `readiness` following `Epp::ready`
+/// (on either port, whichever other server has stopped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_on_the_ext_proc_port_matches_the_health_port() {
+    let epp = Epp::new(Settings::default());
+    let (grpc, grpc_addr) = listener().await;
+    let (health, health_addr) = listener().await;
+    tokio::spawn({
+        let epp = epp.clone();
+        async move { epp.serve_ext_proc(grpc, std::future::pending()).await }
+    });
+    let (stop_health, health_stopped) = tokio::sync::oneshot::channel::<()>();
+    let health_server = tokio::spawn({
+        let epp = epp.clone();
+        async move {
+            epp.serve_health(health, async {
+                let _ = health_stopped.await;
+            })
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for addr in [grpc_addr, health_addr] {
+        assert_eq!(readiness(addr, "liveness").await, 1, "liveness at {addr}");
+        assert_eq!(readiness(addr, "readiness").await, 2, "readiness at {addr}");
+        for service in HEALTH_SERVICES.iter().filter(|s| **s != "readiness") {
+            assert_eq!(readiness(addr, service).await, 1, "{service} at {addr}");
+        }
+        assert_eq!(readiness(addr, "").await, 1, "overall at {addr}");
+    }
+
+    let ready = || {
+        epp.policy()
+            .load_text("pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: only\n    route: { select: [{ minimize: QueueDepth }] }\n")
+            .unwrap();
+        epp.registry().mark_synced();
+        assert!(epp.ready());
+    };
+    let serving = |addr| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while readiness(addr, "readiness").await != 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "readiness at {addr} never became SERVING"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+
+    // The health port stops; the ext_proc port's readiness still follows.
+    stop_health.send(()).unwrap();
+    health_server.await.unwrap().unwrap();
+    ready();
+    serving(grpc_addr).await;
 }

@@ -111,6 +111,9 @@ pub struct ProviderSpec {
     pub models: Vec<ModelSpec>,
 }
 
+/// Key within a provider's Secret when its [`SecretKeyRef`] names none.
+pub const DEFAULT_SECRET_KEY: &str = "apiKey";
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SecretKeyRef {
