@@ -1,20 +1,19 @@
 //! Request-path cost of the EPP's estimators with 220 KB prompts and 200
 //! endpoints. `cargo bench -p kinference-epp --bench prefix`
 
-use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kinference_epp::predict::{
-    DEFAULT_BLOCK_CHARS, DestinationStats, EndpointKey, PrefixIndex, TtftFeatures, TtftPredictor,
+    DEFAULT_BLOCK_CHARS, DestinationConfig, DestinationState, TtftFeatures, TtftPredictor,
     block_hashes,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const PROMPT_BYTES: usize = 220 * 1024;
-const ENDPOINTS: u64 = 200;
+const ENDPOINTS: usize = 200;
 
 fn random_text(rng: &mut StdRng, len: usize) -> String {
     (0..len)
@@ -46,9 +45,9 @@ fn benches(c: &mut Criterion) {
         })
     });
 
-    let idx = PrefixIndex::new(16_384);
-    let keys: Vec<EndpointKey> = (0..ENDPOINTS)
-        .map(|i| EndpointKey::from_addr(&format!("10.0.{}.{}:8000", i / 256, i % 256)))
+    // Each endpoint's state, as its registry slot owns it.
+    let keys: Vec<std::sync::Arc<DestinationState>> = (0..ENDPOINTS)
+        .map(|_| DestinationState::new(&DestinationConfig::default()))
         .collect();
     for (i, k) in keys.iter().enumerate() {
         // Endpoints hold 0..=100% of the system prompt, then their own tails.
@@ -58,38 +57,31 @@ fn benches(c: &mut Criterion) {
             &system[..cut],
             random_text(&mut rng, PROMPT_BYTES - cut)
         );
-        idx.record(*k, &hashes(&p));
+        k.prefix.record(&hashes(&p));
         // A few unrelated prompts each, so the tables are not trivially small.
         for _ in 0..2 {
-            idx.record(*k, &hashes(&random_text(&mut rng, 64 * 1024)));
+            k.prefix.record(&hashes(&random_text(&mut rng, 64 * 1024)));
         }
     }
     let q = hashes(&prompt);
-    let mut all = HashMap::new();
-    c.bench_function("cached_blocks_all/200x3520", |b| {
-        b.iter(|| {
-            idx.cached_blocks_all(black_box(&q), &mut all);
-            black_box(all.len())
-        })
+    let cached_all = |h: &[u64]| {
+        keys.iter()
+            .map(|k| k.prefix.cached_blocks(h))
+            .sum::<usize>()
+    };
+    c.bench_function("cached_blocks/200x3520", |b| {
+        b.iter(|| black_box(cached_all(black_box(&q))))
     });
-    let mut many = Vec::new();
-    c.bench_function("cached_blocks_many/200x3520", |b| {
-        b.iter(|| {
-            idx.cached_blocks_many(&keys, black_box(&q), &mut many);
-            black_box(many.len())
-        })
-    });
-    c.bench_function("hash+cached_blocks_all/220KB,200", |b| {
+    c.bench_function("hash+cached_blocks/220KB,200", |b| {
         let mut h = Vec::new();
         b.iter(|| {
             block_hashes(black_box(&prompt), DEFAULT_BLOCK_CHARS, &mut h);
-            idx.cached_blocks_all(&h, &mut all);
-            black_box(all.len())
+            black_box(cached_all(&h))
         })
     });
     // Re-recording an already known chain (LRU refresh) and a new one.
     c.bench_function("record/3520 known", |b| {
-        b.iter(|| idx.record(keys[7], black_box(&q)))
+        b.iter(|| keys[7].prefix.record(black_box(&q)))
     });
     let fresh: Vec<Vec<u64>> = (0..16)
         .map(|_| hashes(&random_text(&mut rng, PROMPT_BYTES)))
@@ -98,7 +90,7 @@ fn benches(c: &mut Criterion) {
     c.bench_function("record/3520 new (with eviction)", |b| {
         b.iter(|| {
             i += 1;
-            idx.record(keys[8], black_box(&fresh[i % fresh.len()]))
+            keys[8].prefix.record(black_box(&fresh[i % fresh.len()]))
         })
     });
 
@@ -107,7 +99,7 @@ fn benches(c: &mut Criterion) {
         for j in 0..30 {
             let f = TtftFeatures::new((j % 5) as f64, 10.0, 1000.0 * j as f64, 0.0, 0.3);
             ttft.observe(
-                *k,
+                &k.ttft,
                 &f,
                 0.02 + 0.1 * (j % 5) as f64 + j as f64 * 0.0002 * (1.0 + n as f64 / 200.0),
             );
@@ -120,33 +112,33 @@ fn benches(c: &mut Criterion) {
         b.iter(|| {
             let mut s = 0.0;
             for (k, f) in keys.iter().zip(&feats) {
-                s += ttft.predict(*k, f);
+                s += ttft.predict(&k.ttft, f);
             }
             black_box(s)
         })
     });
     c.bench_function("ttft_observe/1", |b| {
-        b.iter(|| ttft.observe(keys[3], black_box(&feats[3]), 0.8))
+        b.iter(|| ttft.observe(&keys[3].ttft, black_box(&feats[3]), 0.8))
     });
 
-    let stats = DestinationStats::default();
     let now = Instant::now();
     for k in &keys {
-        stats.record_ttft(*k, Duration::from_millis(120), now);
+        k.stats.record_ttft(Duration::from_millis(120), now);
     }
     c.bench_function("stats_snapshot/200", |b| {
         b.iter(|| {
             let mut n = 0;
             for k in &keys {
-                n += stats.snapshot(*k, now).running;
+                n += k.stats.snapshot(now).running;
             }
             black_box(n)
         })
     });
     c.bench_function("stats_begin+finish/1", |b| {
         b.iter(|| {
-            stats
-                .begin(keys[5], now)
+            keys[5]
+                .stats
+                .begin(now)
                 .finish(kinference_epp::predict::Outcome::Success, now)
         })
     });

@@ -109,6 +109,7 @@ impl FakeServer {
         Endpoint {
             name: name.into(),
             pod: name.into(),
+            uid: None,
             namespace: String::new(),
             ip: self.addr.ip(),
             port: self.addr.port(),

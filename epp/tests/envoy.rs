@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::ExtProcConfig;
-use kinference_epp::predict::{DestSnapshot, EndpointKey};
+use kinference_epp::predict::DestSnapshot;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
@@ -245,10 +245,14 @@ impl Stack {
     /// the ext_proc streams of finished requests have ended (they close just
     /// after the client has its answer).
     async fn learnt(&self, i: usize) -> DestSnapshot {
-        let key = EndpointKey::from_addr(&self.pods[i].addr().to_string());
+        let state = self
+            .epp
+            .registry()
+            .state_at(&self.pods[i].addr().to_string())
+            .expect("the pod is registered");
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
-            let snapshot = self.epp.picker.stats.snapshot(key, Instant::now());
+            let snapshot = state.stats.snapshot(Instant::now());
             if snapshot.running == 0 || Instant::now() > deadline {
                 return snapshot;
             }

@@ -473,7 +473,14 @@ async fn dead_and_stale_endpoints_lose_their_metrics_and_leave_minimize_tiers() 
 
 #[tokio::test]
 async fn response_path_calibrates_observed_ttft() {
-    let h = start(LEAST_QUEUE, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    // a serves qwen, b only another model: every pick is a, and b can only
+    // serve as a fallback.
+    let h = start(
+        LEAST_QUEUE,
+        vec![sim("a", &["qwen"]).await, sim("b", &["other"]).await],
+        1 << 20,
+    )
+    .await;
     let (outcome, mut stream) = h
         .client
         .decide(&HttpRequest::post(
@@ -503,12 +510,9 @@ async fn response_path_calibrates_observed_ttft() {
         "x-conformance-test-served-endpoint"
     );
     stream.finish().await.unwrap();
-    let key = kinference_epp::predict::EndpointKey::from_addr(&served);
-    let observed = h
-        .epp
-        .picker
-        .stats
-        .observed_ttft(key, std::time::Instant::now())
+    let learnt = |addr: &str| h.epp.registry().state_at(addr).unwrap().stats.clone();
+    let observed = learnt(&served)
+        .observed_ttft(std::time::Instant::now())
         .unwrap();
     assert!(
         (observed.as_secs_f64() - 0.042).abs() < 0.005,
@@ -524,15 +528,14 @@ async fn response_path_calibrates_observed_ttft() {
         .await
         .unwrap();
     stream
-        .response_headers(200, Some("10.9.9.9:8000"), Some(900.0))
+        .response_headers(200, Some(&h.addr_of(1)), Some(900.0))
         .await
         .unwrap();
     stream.finish().await.unwrap();
     let now = std::time::Instant::now();
-    let fallback = kinference_epp::predict::EndpointKey::from_addr("10.9.9.9:8000");
-    let credited = h.epp.picker.stats.observed_ttft(fallback, now).unwrap();
+    let credited = learnt(&h.addr_of(1)).observed_ttft(now).unwrap();
     assert!((credited.as_secs_f64() - 0.9).abs() < 0.01, "{credited:?}");
-    let first = h.epp.picker.stats.observed_ttft(key, now).unwrap();
+    let first = learnt(&served).observed_ttft(now).unwrap();
     assert!(
         first.as_secs_f64() < 0.1,
         "the first choice keeps its own TTFT: {first:?}"
@@ -650,4 +653,69 @@ async fn prefix_locality_sends_a_shared_prefix_back_to_its_endpoint() {
         outcome.destination().unwrap().split(',').next(),
         Some(h.addr_of(0).as_str())
     );
+}
+
+/// A burst of requests between two scrapes: every queue reads 0 in the last
+/// metrics. Each pick reserves its place on the endpoint until a scrape shows
+/// it, so the burst spreads instead of landing on the first endpoint.
+#[tokio::test]
+async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    let epp = Epp::new(Settings::default());
+    epp.policy()
+        .load_text(&format!("{POOL}{LEAST_QUEUE}"))
+        .expect("policy compiles");
+    let addresses: Vec<String> = (1..=4).map(|i| format!("10.0.0.{i}:8000")).collect();
+    let specs = addresses
+        .iter()
+        .map(|a| EndpointSpec::new(a.clone(), &["qwen"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    // One scrape, all idle; no scraper runs during the burst.
+    for ep in epp.registry().endpoints() {
+        epp.registry()
+            .set_metrics(&ep.name, ScrapedMetrics::empty(std::time::Instant::now()));
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = epp.clone();
+    tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, std::future::pending())
+            .await
+            .unwrap()
+    });
+    let client = EppClient::connect(addr).await.unwrap();
+    // 40 streams held open: requests in flight at their model servers.
+    let mut open = Vec::new();
+    let mut landed = std::collections::BTreeMap::<String, usize>::new();
+    for i in 0..40 {
+        let (outcome, stream) = client
+            .decide(&HttpRequest::post(
+                "/v1/chat/completions",
+                chat("qwen", &format!("request {i}")),
+            ))
+            .await
+            .unwrap();
+        *landed
+            .entry(outcome.destination().unwrap().to_string())
+            .or_default() += 1;
+        open.push(stream);
+    }
+    assert_eq!(landed.len(), 4, "{landed:?}");
+    assert!(landed.values().all(|&n| n == 10), "{landed:?}");
+    // A scrape that shows the load takes over from the reservations.
+    let first = epp.registry().endpoints()[0].name.clone();
+    epp.registry().set_metrics(
+        &first,
+        ScrapedMetrics {
+            waiting: 10.0,
+            ..ScrapedMetrics::empty(std::time::Instant::now())
+        },
+    );
+    let state = epp.registry().state_at(&addresses[0]).unwrap();
+    assert_eq!(state.stats.unscraped(), 0);
+    assert_eq!(state.stats.running(), 10);
+    drop(open);
 }

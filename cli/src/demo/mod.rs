@@ -36,7 +36,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::RULE_HEADER;
-use kinference_epp::predict::EndpointKey;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{self, AccessRecord, Bootstrap, Envoy, Template};
@@ -211,13 +210,6 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         });
     epp.registry().replace_all(endpoints_from_specs(specs)?);
     epp.registry().mark_synced();
-    for s in servers.iter().filter(|s| !s.provider) {
-        // The EPP's prefix index mirrors each server's real cache size.
-        let key = EndpointKey::from_addr(&s.handle.addr().to_string());
-        epp.picker
-            .prefix
-            .set_endpoint_capacity(key, s.handle.config().prefix_cache_blocks);
-    }
     epp.picker.provider_keys.store(Arc::new(provider_keys));
     let scraper = epp.spawn_scraper();
     let ext_proc = TcpListener::bind(loopback()).await?;

@@ -207,6 +207,7 @@ fn ready_endpoint(pod: &Pod) -> Option<Endpoint> {
     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
     Some(Endpoint {
         pod: name.clone(),
+        uid: meta.uid.clone(),
         name,
         namespace: meta.namespace.clone().unwrap_or_default(),
         ip,

@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio::sync::watch;
 
+use crate::predict::{DestinationConfig, DestinationState};
+
 /// The smallest staleness window [`default_staleness`] hands out: shorter
 /// windows would make metrics flap on ordinary scheduling jitter.
 pub const MIN_STALENESS: Duration = Duration::from_millis(250);
@@ -48,6 +50,9 @@ pub struct Endpoint {
     /// The Pod (or standalone server) this endpoint belongs to: the policy's
     /// `endpoint` attribute, shared by a Pod's data-parallel ranks.
     pub pod: String,
+    /// The Pod's UID: a Pod recreated under the same name and address is
+    /// another endpoint, with a fresh state. `None` for standalone endpoints.
+    pub uid: Option<String>,
     /// Kubernetes namespace; empty for standalone endpoints.
     pub namespace: String,
     /// Address the gateway should send traffic to.
@@ -119,19 +124,23 @@ impl ScrapedMetrics {
 }
 
 /// One endpoint as the request path sees it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EndpointView {
     /// The endpoint itself (shared, never copied per request).
     pub endpoint: Arc<Endpoint>,
+    /// What the EPP has learnt about it (stats, prefixes, TTFT model).
+    pub state: Arc<DestinationState>,
     /// Latest metrics; `None` when never scraped or older than the registry's
     /// staleness window.
     pub metrics: Option<ScrapedMetrics>,
 }
 
-/// One registry entry: the endpoint plus its independently updated metrics.
+/// One registry entry: the endpoint, its independently updated metrics and
+/// everything learnt about it, all dropped together when the endpoint goes.
 struct Slot {
     endpoint: Arc<Endpoint>,
     metrics: ArcSwapOption<ScrapedMetrics>,
+    state: Arc<DestinationState>,
 }
 
 /// Immutable endpoint table, swapped whole on membership changes.
@@ -170,6 +179,7 @@ struct Cached {
 /// share the returned `Arc`.
 pub struct EndpointRegistry {
     staleness: Duration,
+    destinations: DestinationConfig,
     table: ArcSwap<Table>,
     /// Serialises table writers so concurrent upserts do not lose each other.
     write_lock: Mutex<()>,
@@ -197,6 +207,7 @@ impl EndpointRegistry {
     pub fn new(staleness: Duration) -> Arc<Self> {
         Arc::new(Self {
             staleness,
+            destinations: DestinationConfig::default(),
             table: ArcSwap::from_pointee(Table::default()),
             write_lock: Mutex::new(()),
             version: AtomicU64::new(1),
@@ -250,6 +261,7 @@ impl EndpointRegistry {
                 });
                 EndpointView {
                     endpoint: Arc::clone(&slot.endpoint),
+                    state: Arc::clone(&slot.state),
                     metrics,
                 }
             })
@@ -314,11 +326,11 @@ impl EndpointRegistry {
                 Some(prev) if *prev.endpoint == ep => Arc::clone(prev),
                 Some(prev) => {
                     changed = true;
-                    Arc::new(carry_over(prev, ep))
+                    Arc::new(self.carry_over(prev, ep))
                 }
                 None => {
                     changed = true;
-                    Arc::new(new_slot(ep))
+                    Arc::new(self.new_slot(ep))
                 }
             })
             .collect();
@@ -339,8 +351,8 @@ impl EndpointRegistry {
         let mut slots = old.slots.clone();
         match old.by_name.get(&ep.name) {
             Some(&i) if *slots[i].endpoint == ep => return,
-            Some(&i) => slots[i] = Arc::new(carry_over(&slots[i], ep)),
-            None => slots.push(Arc::new(new_slot(ep))),
+            Some(&i) => slots[i] = Arc::new(self.carry_over(&slots[i], ep)),
+            None => slots.push(Arc::new(self.new_slot(ep))),
         }
         self.table.store(Arc::new(Table::build(slots)));
         self.bump(true);
@@ -366,7 +378,7 @@ impl EndpointRegistry {
     /// Records fresh metrics for an endpoint; ignored for unknown names.
     pub fn set_metrics(&self, name: &str, m: ScrapedMetrics) {
         if let Some(slot) = self.table.load().get(name) {
-            slot.metrics.store(Some(Arc::new(m)));
+            slot.scraped(m);
             self.bump(false);
         }
     }
@@ -379,7 +391,7 @@ impl EndpointRegistry {
             && slot.endpoint.ip == address.ip
             && slot.endpoint.port == address.port
         {
-            slot.metrics.store(Some(Arc::new(m)));
+            slot.scraped(m);
             self.bump(false);
         }
     }
@@ -423,20 +435,48 @@ impl EndpointRegistry {
     }
 }
 
-fn new_slot(ep: Endpoint) -> Slot {
-    Slot {
-        endpoint: Arc::new(ep),
-        metrics: ArcSwapOption::empty(),
+impl EndpointRegistry {
+    fn new_slot(&self, ep: Endpoint) -> Slot {
+        Slot {
+            endpoint: Arc::new(ep),
+            metrics: ArcSwapOption::empty(),
+            state: DestinationState::new(&self.destinations),
+        }
+    }
+
+    /// A new slot for an updated endpoint. The same server (address and Pod
+    /// UID unchanged: only labels or models changed) keeps its metrics and
+    /// state; another server behind the name starts clean.
+    fn carry_over(&self, prev: &Slot, ep: Endpoint) -> Slot {
+        let same = prev.endpoint.ip == ep.ip
+            && prev.endpoint.port == ep.port
+            && prev.endpoint.uid == ep.uid;
+        if !same {
+            return self.new_slot(ep);
+        }
+        Slot {
+            endpoint: Arc::new(ep),
+            metrics: ArcSwapOption::new(prev.metrics.load_full()),
+            state: Arc::clone(&prev.state),
+        }
+    }
+
+    /// The state of the endpoint at `address` (`ip:port`), e.g. the one a
+    /// gateway reports as having served a request.
+    pub fn state_at(&self, address: &str) -> Option<Arc<DestinationState>> {
+        self.table
+            .load()
+            .slots
+            .iter()
+            .find(|s| s.endpoint.address() == address)
+            .map(|s| Arc::clone(&s.state))
     }
 }
 
-/// A new slot for an updated endpoint, keeping the old metrics when the
-/// address is the same (e.g. only labels or models changed).
-fn carry_over(prev: &Slot, ep: Endpoint) -> Slot {
-    let keep = prev.endpoint.ip == ep.ip && prev.endpoint.port == ep.port;
-    Slot {
-        endpoint: Arc::new(ep),
-        metrics: ArcSwapOption::new(if keep { prev.metrics.load_full() } else { None }),
+impl Slot {
+    fn scraped(&self, m: ScrapedMetrics) {
+        self.state.scraped(m.num_gpu_blocks, m.block_size);
+        self.metrics.store(Some(Arc::new(m)));
     }
 }
 
@@ -448,6 +488,7 @@ mod tests {
         Endpoint {
             name: name.into(),
             pod: name.into(),
+            uid: None,
             namespace: "ns".into(),
             ip: "10.0.0.1".parse().unwrap(),
             port,
@@ -506,6 +547,113 @@ mod tests {
         assert_eq!(s[0].endpoint.name, "b");
         assert_eq!(r.get("b").unwrap().port, 2);
         assert!(r.get("a").is_none());
+    }
+
+    /// Everything learnt about a server: a failure streak that opens its
+    /// breaker, a recorded prefix and a TTFT sample.
+    fn learn_things(state: &DestinationState) {
+        let now = Instant::now();
+        for _ in 0..10 {
+            state
+                .stats
+                .record_outcome(crate::predict::Outcome::Failure, now);
+        }
+        state.prefix.record(&[1, 2, 3]);
+        state.stats.record_ttft(Duration::from_millis(900), now);
+        assert!(state.stats.is_open(now));
+    }
+
+    fn starts_clean(state: &DestinationState) -> bool {
+        let now = Instant::now();
+        let s = state.stats.snapshot(now);
+        !s.breaker_open
+            && s.error_rate == 0.0
+            && s.observed_ttft.is_none()
+            && state.prefix.cached_blocks(&[1, 2, 3]) == 0
+    }
+
+    #[test]
+    fn a_new_pod_on_a_dead_pods_address_starts_clean() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        let mut old = ep("vllm-0", 8000);
+        old.uid = Some("uid-1".into());
+        r.upsert(old.clone());
+        learn_things(&r.state_at("10.0.0.1:8000").unwrap());
+        // Deleted, then another Pod gets the IP.
+        r.remove("vllm-0");
+        r.upsert(ep("vllm-7", 8000));
+        assert!(starts_clean(&r.state_at("10.0.0.1:8000").unwrap()));
+        // Same name and IP, new UID (a StatefulSet Pod recreated while the
+        // watch was down, seen only in the relist): clean as well.
+        learn_things(&r.state_at("10.0.0.1:8000").unwrap());
+        r.replace_all(vec![old.clone()]);
+        learn_things(&r.state_at("10.0.0.1:8000").unwrap());
+        let mut recreated = old.clone();
+        recreated.uid = Some("uid-2".into());
+        r.replace_all(vec![recreated]);
+        assert!(starts_clean(&r.state_at("10.0.0.1:8000").unwrap()));
+    }
+
+    #[test]
+    fn the_same_pod_keeps_its_state_across_label_changes() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        r.upsert(ep("a", 1));
+        learn_things(&r.state_at("10.0.0.1:1").unwrap());
+        let mut e = ep("a", 1);
+        e.labels.insert("tier".into(), "gold".into());
+        r.upsert(e);
+        assert!(!starts_clean(&r.state_at("10.0.0.1:1").unwrap()));
+    }
+
+    #[test]
+    fn the_prefix_cache_is_sized_from_the_scraped_kv_cache() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        r.upsert(ep("a", 1));
+        let state = r.state_at("10.0.0.1:1").unwrap();
+        assert_eq!(
+            state.prefix.capacity(),
+            crate::predict::DEFAULT_BLOCKS_PER_ENDPOINT
+        );
+        // 384 vLLM blocks of 16 tokens: 6,144 tokens, 384 blocks of ~16.
+        r.set_metrics(
+            "a",
+            ScrapedMetrics {
+                num_gpu_blocks: Some(384),
+                block_size: Some(16),
+                ..metrics(0.0)
+            },
+        );
+        assert_eq!(state.prefix.capacity(), 384);
+        // Metrics without the cache config leave the size alone.
+        r.set_metrics("a", metrics(1.0));
+        assert_eq!(state.prefix.capacity(), 384);
+    }
+
+    #[test]
+    fn state_is_dropped_with_its_endpoint_under_churn() {
+        let r = EndpointRegistry::new(Duration::from_secs(60));
+        let prompt: Vec<u64> = (0..64).collect();
+        let mut gone = Vec::new();
+        for i in 0..10_000u32 {
+            let mut e = ep(&format!("pod-{i}"), 8000);
+            e.ip = std::net::Ipv4Addr::from(0x0a00_0000 + (i % 50)).into();
+            e.uid = Some(format!("uid-{i}"));
+            let address = e.address();
+            r.upsert(e);
+            let state = r.state_at(&address).unwrap();
+            state.prefix.record(&prompt);
+            gone.push(Arc::downgrade(&state));
+            drop(state);
+            // At most 20 Pods live at once.
+            if i >= 20 {
+                r.remove(&format!("pod-{}", i - 20));
+            }
+        }
+        assert_eq!(r.len(), 20);
+        let alive = gone.iter().filter(|w| w.strong_count() > 0).count();
+        assert_eq!(alive, 20, "the state of every removed Pod is freed");
+        let blocks: usize = r.snapshot().iter().map(|v| v.state.prefix.len()).sum();
+        assert_eq!(blocks, 20 * 64, "only live Pods hold prefix blocks");
     }
 
     #[test]

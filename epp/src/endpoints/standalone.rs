@@ -116,6 +116,7 @@ pub fn endpoints_from_specs(
         }
         out.push(Endpoint {
             pod: name.clone(),
+            uid: None,
             name,
             namespace: spec.namespace.unwrap_or_default(),
             ip: addr.ip(),

@@ -19,7 +19,7 @@ use super::body::{self, Api, path_only};
 use super::reply::{self, Mutation};
 use super::*;
 use crate::picker::{Incoming, Pick, Picker, ProviderCredential};
-use crate::predict::{InflightGuard, Outcome, TtftFeatures};
+use crate::predict::{DestinationState, InflightGuard, Outcome, TtftFeatures};
 
 /// `BodySendMode::FullDuplexStreamed` in the filter's protocol config.
 const FULL_DUPLEX_STREAMED: i32 = 4;
@@ -35,7 +35,11 @@ const CLIENT_CREDENTIAL_HEADERS: &[&str] = &[
 
 /// What the session remembers after routing, for the response path.
 struct Routed {
+    /// Counts the request on the picked destination until the stream ends.
     guard: InflightGuard,
+    state: Arc<DestinationState>,
+    /// The picked endpoint's `ip:port`; `None` for a provider.
+    address: Option<String>,
     features: Option<TtftFeatures>,
     decided_at: Instant,
     /// The upstream answered with a non-error status. Until response headers
@@ -45,9 +49,15 @@ struct Routed {
 }
 
 impl Routed {
-    fn new(guard: InflightGuard, features: Option<TtftFeatures>) -> Self {
+    fn new(
+        state: Arc<DestinationState>,
+        address: Option<String>,
+        features: Option<TtftFeatures>,
+    ) -> Self {
         Routed {
-            guard,
+            guard: state.stats.begin(Instant::now()),
+            state,
+            address,
             features,
             decided_at: Instant::now(),
             answered: false,
@@ -252,7 +262,7 @@ impl Session {
                 subset: self.subset.as_deref(),
             })
             .await;
-        let mut prefix: Option<(crate::predict::EndpointKey, Vec<u64>)> = None;
+        let mut prefix: Option<(Arc<DestinationState>, Vec<u64>)> = None;
         let mutation = match pick {
             Pick::Reject {
                 status,
@@ -277,10 +287,11 @@ impl Session {
             }
             Pick::Local(local) => {
                 self.routed = Some(Routed::new(
-                    self.picker.stats.begin(local.key, Instant::now()),
-                    Some(local.features),
+                    Arc::clone(&local.state),
+                    local.addresses.first().cloned(),
+                    local.features,
                 ));
-                prefix = Some((local.key, local.prefix_hashes));
+                prefix = Some((local.state, local.prefix_hashes));
                 // The header names the selected endpoint alone: ORIGINAL_DST
                 // clusters (most gateways) dial it as is and fail on a list.
                 // The metadata carries the ordered list, primary first, for
@@ -320,10 +331,7 @@ impl Session {
                         return false;
                     }
                 };
-                self.routed = Some(Routed::new(
-                    self.picker.stats.begin(p.key, Instant::now()),
-                    None,
-                ));
+                self.routed = Some(Routed::new(p.state, None, None));
                 let mut set_headers = vec![
                     (
                         kinference_api::DESTINATION_HEADER.into(),
@@ -363,8 +371,8 @@ impl Session {
         } else {
             self.send(reply::routed_buffered(&mutation)).await
         };
-        if let Some((key, hashes)) = prefix {
-            self.picker.record_prefix(key, &hashes);
+        if let Some((state, hashes)) = prefix {
+            state.prefix.record(&hashes);
         }
         sent
     }
@@ -390,28 +398,27 @@ impl Session {
             .map(|ms| Duration::from_secs_f64(ms / 1000.0));
         let now = Instant::now();
         let failed = status >= 500 || status == 429;
-        let served_key = served
-            .as_deref()
-            .map(crate::predict::EndpointKey::from_addr);
         match self.routed.take() {
             None => {}
             Some(routed) if failed => routed.guard.finish(Outcome::Failure, now),
             // The gateway went down the fallback list: the primary failed and
             // another endpoint answered. Credit that one with the success
             // and its TTFT; the model is calibrated only on the predicted one.
-            Some(routed) if served_key.is_some_and(|k| k != routed.guard.key()) => {
-                let actual = served_key.expect("checked above");
+            Some(routed) if fell_back(&routed, served.as_deref()) => {
                 let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
-                self.picker.observe_ttft(actual, None, ttft);
-                self.picker
-                    .stats
-                    .record_outcome(actual, Outcome::Success, now);
+                let actual = served
+                    .as_deref()
+                    .and_then(|a| self.picker.registry.state_at(a));
+                if let Some(actual) = actual {
+                    self.picker.observe_ttft(&actual, None, ttft);
+                    actual.stats.record_outcome(Outcome::Success, now);
+                }
                 routed.guard.finish(Outcome::Failure, now);
             }
             Some(mut routed) => {
                 let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
                 self.picker
-                    .observe_ttft(routed.guard.key(), routed.features.as_ref(), ttft);
+                    .observe_ttft(&routed.state, routed.features.as_ref(), ttft);
                 routed.answered = true;
                 self.routed = Some(routed);
             }
@@ -485,6 +492,12 @@ impl Session {
     async fn send(&self, msg: ProcessingResponse) -> bool {
         self.tx.send(Ok(msg)).await.is_ok()
     }
+}
+
+/// Whether the gateway reports that an endpoint other than the one picked
+/// served the request.
+fn fell_back(routed: &Routed, served: Option<&str>) -> bool {
+    matches!((routed.address.as_deref(), served), (Some(picked), Some(served)) if picked != served)
 }
 
 fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {

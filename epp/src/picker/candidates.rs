@@ -7,14 +7,16 @@ use kinference_policy::attr::CandidateType;
 use kinference_policy::eval::{Candidate, Decision, Metrics as CandidateMetrics, Request};
 use kinference_policy::model::Price;
 
+use std::sync::Arc;
+
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::policy_store::LoadedPolicy;
-use crate::predict::{EndpointKey, TtftFeatures};
+use crate::predict::{DestinationState, TtftFeatures};
 
 /// Candidates with what the pick needs to act on each.
 pub struct CandidateSet {
     pub candidates: Vec<Candidate>,
-    keys: Vec<EndpointKey>,
+    states: Vec<Arc<DestinationState>>,
     features: Vec<Option<TtftFeatures>>,
 }
 
@@ -31,42 +33,41 @@ impl CandidateSet {
         let compiled = &policy.compiled;
         let mut set = CandidateSet {
             candidates: Vec::with_capacity(snapshot.len() + compiled.providers.len()),
-            keys: Vec::new(),
+            states: Vec::new(),
             features: Vec::new(),
         };
         // Each endpoint's address is formatted once per request.
-        let (views, addresses): (Vec<_>, Vec<String>) = snapshot
-            .iter()
-            .map(|v| (v, v.endpoint.address()))
-            .filter(|(_, a)| subset.is_none_or(|s| in_subset(s, a)))
-            .unzip();
-        let endpoint_keys: Vec<EndpointKey> = addresses
-            .iter()
-            .map(|a| EndpointKey::from_addr(a))
-            .collect();
-        let mut cached_blocks = Vec::new();
-        picker
-            .prefix
-            .cached_blocks_many(&endpoint_keys, hashes, &mut cached_blocks);
         let tokens_per_block = picker.config.block_chars as f64 / 4.0;
         let prompt = request.prompt_tokens as f64;
         let output = request
             .max_tokens
             .unwrap_or(picker.config.default_output_tokens) as f64;
-        for (((view, address), key), blocks) in views
-            .iter()
-            .zip(&addresses)
-            .zip(&endpoint_keys)
-            .zip(&cached_blocks)
-        {
+        for view in snapshot.iter() {
+            let address = view.endpoint.address();
+            if subset.is_some_and(|s| !in_subset(s, &address)) {
+                continue;
+            }
             let ep = &view.endpoint;
-            let cached = (*blocks as f64 * tokens_per_block).min(prompt);
-            let live = picker.stats.snapshot(*key, now);
-            let features = view
-                .metrics
+            let state = &view.state;
+            let cached = (state.prefix.cached_blocks(hashes) as f64 * tokens_per_block).min(prompt);
+            let live = state.stats.snapshot(now);
+            // Requests picked since the last scrape are load the metrics do
+            // not show yet: without them a burst ties every endpoint at the
+            // same stale values and lands on the first.
+            let unscraped = state.stats.unscraped() as f64;
+            let load = view.metrics.as_ref().map(|m| {
+                (
+                    m.waiting + unscraped,
+                    m.running + unscraped,
+                    m.kv_cache_usage,
+                )
+            });
+            let features = load.map(|(waiting, running, kv)| {
+                TtftFeatures::new(waiting, running, prompt, cached, kv)
+            });
+            let predicted = features
                 .as_ref()
-                .map(|m| TtftFeatures::new(m.waiting, m.running, prompt, cached, m.kv_cache_usage));
-            let predicted = features.as_ref().map(|f| picker.ttft.predict(*key, f));
+                .map(|f| picker.ttft.predict(&state.ttft, f));
             for model in &ep.models {
                 let info = compiled.local_model(model);
                 set.candidates.push(Candidate {
@@ -84,9 +85,9 @@ impl CandidateSet {
                         Default::default()
                     },
                     metrics: CandidateMetrics {
-                        queue_depth: view.metrics.as_ref().map(|m| m.waiting),
-                        running_requests: view.metrics.as_ref().map(|m| m.running),
-                        kv_cache_utilization: view.metrics.as_ref().map(|m| m.kv_cache_usage),
+                        queue_depth: load.map(|l| l.0),
+                        running_requests: load.map(|l| l.1),
+                        kv_cache_utilization: load.map(|l| l.2),
                         cached_prefix_tokens: Some(cached),
                         predicted_ttft: predicted,
                         observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
@@ -97,13 +98,13 @@ impl CandidateSet {
                         context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
                     },
                 });
-                set.keys.push(*key);
+                set.states.push(Arc::clone(state));
                 set.features.push(features);
             }
         }
-        for provider in &compiled.providers {
-            let key = EndpointKey::from_addr(&provider_key(&provider.name));
-            let live = picker.stats.snapshot(key, now);
+        let provider_states = picker.providers.for_policy(compiled);
+        for (provider, state) in compiled.providers.iter().zip(provider_states) {
+            let live = state.stats.snapshot(now);
             for model in &provider.models {
                 set.candidates.push(Candidate {
                     kind: CandidateType::Provider,
@@ -120,7 +121,7 @@ impl CandidateSet {
                     },
                     ..Candidate::default()
                 });
-                set.keys.push(key);
+                set.states.push(Arc::clone(&state));
                 set.features.push(None);
             }
         }
@@ -160,8 +161,8 @@ impl CandidateSet {
                                 .map_or(winner.model.clone(), |m| m.target_model.clone()),
                         )
                         .filter(|target| *target != request.model),
-                        key: self.keys[routed.winner],
-                        features: self.features[routed.winner].unwrap_or_default(),
+                        state: Arc::clone(&self.states[routed.winner]),
+                        features: self.features[routed.winner],
                         prefix_hashes: Vec::new(),
                     }),
                     CandidateType::Provider => {
@@ -186,19 +187,13 @@ impl CandidateSet {
                             rewrite_model: (target != request.model).then(|| target.clone()),
                             model: winner.model.clone(),
                             provider,
-                            key: self.keys[routed.winner],
+                            state: Arc::clone(&self.states[routed.winner]),
                         })
                     }
                 }
             }
         }
     }
-}
-
-/// Stats keys of providers live beside endpoint addresses; the prefix keeps
-/// them apart.
-pub fn provider_key(name: &str) -> String {
-    format!("provider/{name}")
 }
 
 /// The subset hint names `ip:port`; a bare IP (the conformance test header)

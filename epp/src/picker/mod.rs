@@ -3,6 +3,7 @@
 //! a pick. Everything here is shared by all streams.
 
 mod candidates;
+mod providers;
 mod recent;
 
 use std::collections::BTreeMap;
@@ -15,6 +16,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 pub use candidates::CandidateSet;
+pub use providers::ProviderStates;
 pub use recent::{RecentDecisions, RecordedDecision};
 
 use crate::classify::ClassifierRunner;
@@ -22,9 +24,7 @@ use crate::endpoints::EndpointRegistry;
 use crate::extproc::body::{Api, ParsedBody, estimate_tokens};
 use crate::metrics::Metrics;
 use crate::policy_store::{LoadedPolicy, PolicyStore};
-use crate::predict::{
-    DestinationStats, EndpointKey, PrefixIndex, TtftFeatures, TtftPredictor, block_hashes,
-};
+use crate::predict::{DestinationState, TtftFeatures, TtftPredictor, block_hashes};
 
 pub const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
 pub const MODEL_HEADER: &str = "x-gateway-model-name";
@@ -50,9 +50,9 @@ impl Default for PickerConfig {
 pub struct Picker {
     pub policy: Arc<PolicyStore>,
     pub registry: Arc<EndpointRegistry>,
-    pub prefix: PrefixIndex,
+    /// The global TTFT model (each endpoint's own lives in its state).
     pub ttft: TtftPredictor,
-    pub stats: DestinationStats,
+    pub providers: ProviderStates,
     pub classifiers: ClassifierRunner,
     pub metrics: Arc<Metrics>,
     pub recent: RecentDecisions,
@@ -93,9 +93,12 @@ pub struct LocalPick {
     pub model: String,
     /// Set when the body's model must change.
     pub rewrite_model: Option<String>,
-    pub key: EndpointKey,
-    pub features: TtftFeatures,
-    /// The prompt's prefix block hashes, for [`Picker::record_prefix`].
+    /// The winner's state, to count the request and learn from its answer.
+    pub state: Arc<DestinationState>,
+    /// What the TTFT prediction was made from; `None` when the winner had no
+    /// fresh metrics (nothing to calibrate the model with).
+    pub features: Option<TtftFeatures>,
+    /// The prompt's prefix block hashes, to record once the answer is sent.
     pub prefix_hashes: Vec<u64>,
 }
 
@@ -107,7 +110,7 @@ pub struct ProviderPick {
     /// The provider's name for the model, when it differs from the request's.
     pub rewrite_model: Option<String>,
     pub credential: ProviderCredential,
-    pub key: EndpointKey,
+    pub state: Arc<DestinationState>,
 }
 
 /// What the request to a provider authenticates with. The client's own
@@ -133,9 +136,8 @@ impl Picker {
         Picker {
             policy,
             registry,
-            prefix: PrefixIndex::default(),
             ttft: TtftPredictor::new(Default::default()),
-            stats: DestinationStats::default(),
+            providers: ProviderStates::default(),
             classifiers: ClassifierRunner::default(),
             metrics,
             recent: RecentDecisions::new(64),
@@ -258,18 +260,18 @@ impl Picker {
         }
     }
 
-    /// Remembers that this endpoint now holds the prompt's prefix.
-    pub fn record_prefix(&self, key: EndpointKey, hashes: &[u64]) {
-        self.prefix.record(key, hashes);
-    }
-
-    /// The gateway reported which endpoint served and how long the first
-    /// byte took: calibrate the TTFT model and the observed statistics.
-    pub fn observe_ttft(&self, key: EndpointKey, features: Option<&TtftFeatures>, ttft: Duration) {
-        let now = Instant::now();
-        self.stats.record_ttft(key, ttft, now);
+    /// The gateway reported a first byte after `ttft`: update the observed
+    /// statistics, and calibrate the endpoint's TTFT model with the features
+    /// its prediction was made from, when there were any.
+    pub fn observe_ttft(
+        &self,
+        state: &DestinationState,
+        features: Option<&TtftFeatures>,
+        ttft: Duration,
+    ) {
+        state.stats.record_ttft(ttft, Instant::now());
         if let Some(f) = features {
-            self.ttft.observe(key, f, ttft.as_secs_f64());
+            self.ttft.observe(&state.ttft, f, ttft.as_secs_f64());
         }
     }
 }

@@ -3,26 +3,28 @@
 //! between request tasks (`&self` methods, internal locking).
 //!
 //! - [`prefix`]: chained block hashes of the prompt ([`block_hashes`]) and a
-//!   [`PrefixIndex`] of which endpoint recently received which prefix, giving
+//!   destination's [`PrefixCache`] of the prefixes it recently received, giving
 //!   the `CachedPrefixTokens` estimate (cached blocks × tokens per block).
-//! - [`ttft`]: [`TtftPredictor`], a per-endpoint linear TTFT model over queue,
-//!   running requests, uncached prompt tokens and KV utilization, calibrated
-//!   online from observed TTFTs (`PredictedTTFT`).
-//! - [`stats`]: [`DestinationStats`], time-decayed `ObservedTTFT` and
-//!   `ErrorRate`, in-flight `RunningRequests` guards and a circuit breaker, for
-//!   local endpoints and providers alike.
-//!
-//! Destinations are identified by [`EndpointKey`], a hash of the endpoint's
-//! `ip:port` or of a provider name ([`EndpointKey::from_addr`]).
+//! - [`ttft`]: [`TtftPredictor`], a linear TTFT model over queue, running
+//!   requests, uncached prompt tokens and KV utilization, global and per
+//!   endpoint ([`EndpointTtft`]), calibrated online from observed TTFTs
+//!   (`PredictedTTFT`).
+//! - [`stats`]: [`DestStats`], time-decayed `ObservedTTFT` and `ErrorRate`,
+//!   in-flight `RunningRequests` guards, load reserved between scrapes and a
+//!   circuit breaker, for local endpoints and providers alike.
+//! - [`destination`]: [`DestinationState`], all of the above for one
+//!   destination, owned by the destination itself.
 
+pub mod destination;
 pub mod prefix;
 pub mod stats;
 mod sync;
 pub mod ttft;
 
+pub use destination::{DestinationConfig, DestinationState};
 pub use prefix::{
-    DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_ENDPOINT, DEFAULT_MAX_ENDPOINTS, EndpointKey,
-    MAX_BLOCKS, PrefixIndex, block_hashes, block_hashes_bytes,
+    DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_ENDPOINT, MAX_BLOCKS, PrefixCache, TOKENS_PER_BLOCK,
+    block_hashes, block_hashes_bytes, blocks_for_kv_cache,
 };
-pub use stats::{DestSnapshot, DestinationStats, InflightGuard, Outcome, StatsConfig};
-pub use ttft::{TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};
+pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
+pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};

@@ -23,7 +23,7 @@
 //!
 //! Circuit breaker. After `breaker_failures` consecutive failures the breaker
 //! opens for `breaker_cooldown`; then it is half-open: the next request begun
-//! (via [`DestinationStats::begin`]) is the probe and, while it is in flight,
+//! (via [`DestStats::begin`]) is the probe and, while it is in flight,
 //! the breaker reads as open again; its success closes the breaker, its
 //! failure re-opens it for another cooldown, and a probe dropped without an
 //! outcome (client abort) frees the slot for another probe. Two requests may
@@ -33,15 +33,12 @@
 //! users expect, and policies that ignore ErrorRate still see the breaker via
 //! [`DestSnapshot::breaker_open`].
 
-use super::sync::{lock, read, write};
-use std::collections::HashMap;
+use super::sync::lock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::prefix::EndpointKey;
-
-/// Tuning of [`DestinationStats`].
+/// Tuning of [`DestStats`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StatsConfig {
     /// Half-life of a TTFT sample's weight.
@@ -151,8 +148,16 @@ struct Inner {
     last_activity: Option<Instant>,
 }
 
-struct Dest {
+/// Live statistics of one destination, owned by its registry slot (a
+/// provider's: by the provider's state), so they are created and dropped with
+/// it: a new Pod on a dead Pod's address starts clean.
+pub struct DestStats {
     inflight: AtomicU64,
+    /// Bumped by every scrape of the destination's metrics.
+    scrape_epoch: AtomicU64,
+    /// Requests picked since the last scrape and still in flight: the load
+    /// the scraped metrics cannot show yet.
+    unscraped: AtomicU64,
     inner: Mutex<Inner>,
     cfg: StatsConfig,
 }
@@ -258,165 +263,114 @@ impl Inner {
     }
 }
 
-/// Thread-safe per-destination statistics (see the module doc). Reads take a
-/// shared table lock plus one short per-destination mutex.
-pub struct DestinationStats {
-    cfg: StatsConfig,
-    dests: RwLock<HashMap<EndpointKey, Arc<Dest>>>,
-}
-
-impl Default for DestinationStats {
-    fn default() -> Self {
-        Self::new(StatsConfig::default())
-    }
-}
-
-impl DestinationStats {
+impl DestStats {
     pub fn new(cfg: StatsConfig) -> Self {
-        Self {
+        DestStats {
+            inflight: AtomicU64::new(0),
+            scrape_epoch: AtomicU64::new(0),
+            unscraped: AtomicU64::new(0),
+            inner: Mutex::new(Inner {
+                ttft: Decayed::default(),
+                errors: Decayed::default(),
+                consecutive_failures: 0,
+                breaker: Breaker::Closed,
+                last_activity: None,
+            }),
             cfg,
-            dests: RwLock::new(HashMap::new()),
         }
     }
 
-    pub fn config(&self) -> &StatsConfig {
-        &self.cfg
-    }
-
-    fn get(&self, key: EndpointKey) -> Option<Arc<Dest>> {
-        read(&self.dests).get(&key).cloned()
-    }
-
-    fn get_or_insert(&self, key: EndpointKey) -> Arc<Dest> {
-        if let Some(d) = self.get(key) {
-            return d;
-        }
-        write(&self.dests)
-            .entry(key)
-            .or_insert_with(|| {
-                Arc::new(Dest {
-                    inflight: AtomicU64::new(0),
-                    inner: Mutex::new(Inner {
-                        ttft: Decayed::default(),
-                        errors: Decayed::default(),
-                        consecutive_failures: 0,
-                        breaker: Breaker::Closed,
-                        last_activity: None,
-                    }),
-                    cfg: self.cfg,
-                })
-            })
-            .clone()
-    }
-
-    /// A request was routed to `key`: counts it in flight until the guard is
-    /// dropped (so an aborted stream cannot leak a count), and claims the
+    /// A request was routed here: counts it in flight until the guard is
+    /// dropped (so an aborted stream cannot leak a count), reserves its place
+    /// in the load estimates until the next scrape shows it, and claims the
     /// breaker's probe slot if it is half-open.
-    pub fn begin(&self, key: EndpointKey, now: Instant) -> InflightGuard {
-        let dest = self.get_or_insert(key);
-        dest.inflight.fetch_add(1, Ordering::Relaxed);
-        let probe = lock(&dest.inner).begin(now);
+    pub fn begin(self: &Arc<Self>, now: Instant) -> InflightGuard {
+        let epoch = self.scrape_epoch.load(Ordering::Acquire);
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.unscraped.fetch_add(1, Ordering::AcqRel);
+        let probe = lock(&self.inner).begin(now);
         InflightGuard {
-            key,
-            dest,
+            dest: Arc::clone(self),
+            epoch,
             probe,
             finished: false,
         }
     }
 
+    /// Fresh metrics arrived: from now on they include every request in
+    /// flight, so the reservations are released. (A request begun while the
+    /// scrape was recorded may stay reserved until the next scrape: harmless.)
+    pub fn note_scrape(&self) {
+        self.scrape_epoch.fetch_add(1, Ordering::AcqRel);
+        self.unscraped.store(0, Ordering::Release);
+    }
+
+    /// Requests picked since the last scrape and still in flight. Added to the
+    /// scraped queue and running counts, so a burst that arrives within one
+    /// scrape interval spreads instead of tying at the same stale values.
+    pub fn unscraped(&self) -> u64 {
+        self.unscraped.load(Ordering::Acquire)
+    }
+
     /// Records a TTFT sample (time to first byte/token of the response).
-    pub fn record_ttft(&self, key: EndpointKey, ttft: Duration, now: Instant) {
-        let d = self.get_or_insert(key);
-        lock(&d.inner).record_ttft(&self.cfg, ttft, now);
+    pub fn record_ttft(&self, ttft: Duration, now: Instant) {
+        lock(&self.inner).record_ttft(&self.cfg, ttft, now);
     }
 
-    /// Records how a request ended, for callers that do not hold the guard.
-    pub fn record_outcome(&self, key: EndpointKey, outcome: Outcome, now: Instant) {
-        let d = self.get_or_insert(key);
-        lock(&d.inner).record_outcome(&self.cfg, outcome, now);
+    /// Records how a request ended, for callers that do not hold the guard
+    /// (a fallback endpoint that served instead of the one picked).
+    pub fn record_outcome(&self, outcome: Outcome, now: Instant) {
+        lock(&self.inner).record_outcome(&self.cfg, outcome, now);
     }
 
-    /// All statistics of `key` at `now` (defaults for an unknown key).
-    pub fn snapshot(&self, key: EndpointKey, now: Instant) -> DestSnapshot {
-        match self.get(key) {
-            Some(d) => {
-                let running = d.inflight.load(Ordering::Relaxed);
-                lock(&d.inner).snapshot(&self.cfg, running, now)
-            }
-            None => DestSnapshot::default(),
-        }
+    /// All statistics at `now`.
+    pub fn snapshot(&self, now: Instant) -> DestSnapshot {
+        let running = self.inflight.load(Ordering::Relaxed);
+        lock(&self.inner).snapshot(&self.cfg, running, now)
     }
 
     /// Decayed mean TTFT, `None` without recent samples.
-    pub fn observed_ttft(&self, key: EndpointKey, now: Instant) -> Option<Duration> {
-        self.snapshot(key, now).observed_ttft
+    pub fn observed_ttft(&self, now: Instant) -> Option<Duration> {
+        self.snapshot(now).observed_ttft
     }
 
     /// Recent failure fraction; 1.0 while the breaker is open.
-    pub fn error_rate(&self, key: EndpointKey, now: Instant) -> f64 {
-        self.snapshot(key, now).error_rate
+    pub fn error_rate(&self, now: Instant) -> f64 {
+        self.snapshot(now).error_rate
     }
 
     /// Requests in flight from this EPP.
-    pub fn running(&self, key: EndpointKey) -> u64 {
-        self.get(key)
-            .map_or(0, |d| d.inflight.load(Ordering::Relaxed))
+    pub fn running(&self) -> u64 {
+        self.inflight.load(Ordering::Relaxed)
     }
 
     /// Whether the breaker currently refuses traffic (open, or half-open with
     /// its probe in flight).
-    pub fn is_open(&self, key: EndpointKey, now: Instant) -> bool {
-        self.get(key)
-            .is_some_and(|d| lock(&d.inner).breaker_open(now))
+    pub fn is_open(&self, now: Instant) -> bool {
+        lock(&self.inner).breaker_open(now)
     }
+}
 
-    /// Drops a destination's statistics (Pod gone, provider removed). Live
-    /// guards keep working on the detached entry.
-    pub fn forget(&self, key: EndpointKey) {
-        write(&self.dests).remove(&key);
-    }
-
-    /// Drops destinations idle for `max_idle`: nothing in flight, breaker not
-    /// open, no activity since `now - max_idle`. Call periodically to bound
-    /// memory under churn. Returns how many were dropped.
-    pub fn prune_idle(&self, now: Instant, max_idle: Duration) -> usize {
-        let mut map = write(&self.dests);
-        let before = map.len();
-        map.retain(|_, d| {
-            if d.inflight.load(Ordering::Relaxed) > 0 {
-                return true;
-            }
-            let inner = lock(&d.inner);
-            inner.breaker != Breaker::Closed
-                || inner
-                    .last_activity
-                    .is_some_and(|a| now.saturating_duration_since(a) < max_idle)
-        });
-        before - map.len()
-    }
-
-    /// Number of tracked destinations.
-    pub fn len(&self) -> usize {
-        read(&self.dests).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+impl Default for DestStats {
+    fn default() -> Self {
+        Self::new(StatsConfig::default())
     }
 }
 
 /// A request in flight to one destination. Dropping it (normally, on error, or
 /// when the stream is aborted) decrements `RunningRequests`.
 pub struct InflightGuard {
-    key: EndpointKey,
-    dest: Arc<Dest>,
+    dest: Arc<DestStats>,
+    /// The destination's scrape epoch when the request began.
+    epoch: u64,
     probe: bool,
     finished: bool,
 }
 
 impl InflightGuard {
-    pub fn key(&self) -> EndpointKey {
-        self.key
+    /// The statistics this request counts in.
+    pub fn stats(&self) -> &Arc<DestStats> {
+        &self.dest
     }
 
     /// Whether this request is the half-open breaker's probe.
@@ -441,6 +395,13 @@ impl InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.dest.inflight.fetch_sub(1, Ordering::Relaxed);
+        if self.dest.scrape_epoch.load(Ordering::Acquire) == self.epoch {
+            // Not scraped since it began: release its reservation.
+            let _ = self
+                .dest
+                .unscraped
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        }
         if self.probe && !self.finished {
             let mut inner = lock(&self.dest.inner);
             if inner.breaker
@@ -466,154 +427,152 @@ mod tests {
 
     #[test]
     fn observed_ttft_decays_by_time() {
-        let st = DestinationStats::default();
-        let k = EndpointKey(1);
+        let st = Arc::new(DestStats::default());
         let t0 = Instant::now();
-        assert_eq!(st.observed_ttft(k, t0), None);
-        st.record_ttft(k, secs(1.0), t0);
-        st.record_ttft(k, secs(3.0), t0);
-        let m = st.observed_ttft(k, t0).unwrap().as_secs_f64();
+        assert_eq!(st.observed_ttft(t0), None);
+        st.record_ttft(secs(1.0), t0);
+        st.record_ttft(secs(3.0), t0);
+        let m = st.observed_ttft(t0).unwrap().as_secs_f64();
         assert!((m - 2.0).abs() < 1e-9);
         // 10 s later the old samples weigh ½ each: (0.5 + 1.5 + 4) / (0.5 + 0.5 + 1).
-        st.record_ttft(k, secs(4.0), t0 + secs(10.0));
-        let m = st.observed_ttft(k, t0 + secs(10.0)).unwrap().as_secs_f64();
+        st.record_ttft(secs(4.0), t0 + secs(10.0));
+        let m = st.observed_ttft(t0 + secs(10.0)).unwrap().as_secs_f64();
         assert!((m - 3.0).abs() < 1e-9, "{m}");
         // Idle: the value itself stays (a mean), but disappears once stale.
-        assert!(st.observed_ttft(k, t0 + secs(40.0)).is_some());
-        assert_eq!(st.observed_ttft(k, t0 + secs(200.0)), None);
+        assert!(st.observed_ttft(t0 + secs(40.0)).is_some());
+        assert_eq!(st.observed_ttft(t0 + secs(200.0)), None);
         // After a long pause the first sample dominates.
-        st.record_ttft(k, secs(0.5), t0 + secs(100.0));
-        let m = st.observed_ttft(k, t0 + secs(100.0)).unwrap().as_secs_f64();
+        st.record_ttft(secs(0.5), t0 + secs(100.0));
+        let m = st.observed_ttft(t0 + secs(100.0)).unwrap().as_secs_f64();
         assert!((m - 0.5).abs() < 0.05, "{m}");
         // A `now` earlier than the last update is treated as no elapsed time.
-        assert!(st.observed_ttft(k, t0).is_some());
+        assert!(st.observed_ttft(t0).is_some());
     }
 
     #[test]
     fn error_rate_and_prior() {
-        let st = DestinationStats::default();
-        let k = EndpointKey(2);
+        let st = Arc::new(DestStats::default());
         let t0 = Instant::now();
-        assert_eq!(st.error_rate(k, t0), 0.0);
-        st.record_outcome(k, Outcome::Failure, t0);
+        assert_eq!(st.error_rate(t0), 0.0);
+        st.record_outcome(Outcome::Failure, t0);
         assert!(
-            (st.error_rate(k, t0) - 0.5).abs() < 1e-9,
+            (st.error_rate(t0) - 0.5).abs() < 1e-9,
             "one failure is not > 0.5"
         );
         for _ in 0..3 {
-            st.record_outcome(k, Outcome::Success, t0);
+            st.record_outcome(Outcome::Success, t0);
         }
-        assert!((st.error_rate(k, t0) - 0.2).abs() < 1e-9);
+        assert!((st.error_rate(t0) - 0.2).abs() < 1e-9);
         for _ in 0..4 {
-            st.record_outcome(k, Outcome::Failure, t0);
+            st.record_outcome(Outcome::Failure, t0);
         }
-        assert!(!st.is_open(k, t0));
-        assert!((st.error_rate(k, t0) - 5.0 / 9.0).abs() < 1e-9);
+        assert!(!st.is_open(t0));
+        assert!((st.error_rate(t0) - 5.0 / 9.0).abs() < 1e-9);
         // Decays with time even without new requests.
-        assert!(st.error_rate(k, t0 + secs(300.0)) < 0.01);
+        assert!(st.error_rate(t0 + secs(300.0)) < 0.01);
     }
 
     #[test]
     fn running_requests_guard() {
-        let st = DestinationStats::default();
-        let k = EndpointKey(3);
+        let st = Arc::new(DestStats::default());
         let t0 = Instant::now();
-        let g1 = st.begin(k, t0);
-        let g2 = st.begin(k, t0);
-        assert_eq!(st.running(k), 2);
-        assert_eq!(st.snapshot(k, t0).running, 2);
+        let g1 = st.begin(t0);
+        let g2 = st.begin(t0);
+        assert_eq!(st.running(), 2);
+        assert_eq!(st.snapshot(t0).running, 2);
         g1.finish(Outcome::Success, t0);
-        assert_eq!(st.running(k), 1);
+        assert_eq!(st.running(), 1);
         // An aborted stream: the guard is just dropped (e.g. on a panic/unwind).
         let h = std::thread::spawn(move || {
             let _g = g2;
             panic!("stream aborted");
         });
         assert!(h.join().is_err());
-        assert_eq!(st.running(k), 0);
-        assert_eq!(st.running(EndpointKey(99)), 0);
+        assert_eq!(st.running(), 0);
     }
 
     #[test]
     fn breaker_opens_probes_and_closes() {
-        let st = DestinationStats::default();
-        let k = EndpointKey(4);
+        let st = Arc::new(DestStats::default());
         let t0 = Instant::now();
         for i in 0..4 {
-            st.begin(k, t0).finish(Outcome::Failure, t0);
-            assert!(!st.is_open(k, t0), "after {} failures", i + 1);
+            st.begin(t0).finish(Outcome::Failure, t0);
+            assert!(!st.is_open(t0), "after {} failures", i + 1);
         }
         // A success resets the streak.
-        st.begin(k, t0).finish(Outcome::Success, t0);
+        st.begin(t0).finish(Outcome::Success, t0);
         for _ in 0..5 {
-            st.begin(k, t0).finish(Outcome::Failure, t0);
+            st.begin(t0).finish(Outcome::Failure, t0);
         }
-        assert!(st.is_open(k, t0));
-        let s = st.snapshot(k, t0 + secs(29.0));
+        assert!(st.is_open(t0));
+        let s = st.snapshot(t0 + secs(29.0));
         assert!(s.breaker_open && s.error_rate == 1.0);
         // Cooldown over: half-open, one probe.
         let t1 = t0 + secs(30.0);
-        assert!(!st.is_open(k, t1));
-        let probe = st.begin(k, t1);
+        assert!(!st.is_open(t1));
+        let probe = st.begin(t1);
         assert!(probe.is_probe());
-        assert!(st.is_open(k, t1), "closed to others while the probe runs");
+        assert!(st.is_open(t1), "closed to others while the probe runs");
         // Probe fails: open again for a full cooldown.
         probe.finish(Outcome::Failure, t1);
-        assert!(st.is_open(k, t1 + secs(29.0)));
+        assert!(st.is_open(t1 + secs(29.0)));
         let t2 = t1 + secs(30.0);
         // Aborted probe frees the slot.
-        let probe = st.begin(k, t2);
-        assert!(probe.is_probe() && st.is_open(k, t2));
+        let probe = st.begin(t2);
+        assert!(probe.is_probe() && st.is_open(t2));
         drop(probe);
-        assert!(!st.is_open(k, t2));
+        assert!(!st.is_open(t2));
         // Successful probe closes the breaker.
-        let probe = st.begin(k, t2);
+        let probe = st.begin(t2);
         assert!(probe.is_probe());
         probe.finish(Outcome::Success, t2);
-        assert!(!st.is_open(k, t2));
-        assert!(st.error_rate(k, t2) < 1.0);
-        assert!(!st.begin(k, t2).is_probe());
+        assert!(!st.is_open(t2));
+        assert!(st.error_rate(t2) < 1.0);
+        assert!(!st.begin(t2).is_probe());
     }
 
     #[test]
     fn breaker_can_be_disabled() {
-        let st = DestinationStats::new(StatsConfig {
+        let st = DestStats::new(StatsConfig {
             breaker_failures: 0,
             ..Default::default()
         });
-        let k = EndpointKey(5);
         let t0 = Instant::now();
         for _ in 0..50 {
-            st.record_outcome(k, Outcome::Failure, t0);
+            st.record_outcome(Outcome::Failure, t0);
         }
-        assert!(!st.is_open(k, t0));
+        assert!(!st.is_open(t0));
     }
 
     #[test]
-    fn forget_and_prune() {
-        let st = DestinationStats::default();
+    fn picks_are_reserved_until_a_scrape_shows_them() {
+        let st = Arc::new(DestStats::default());
         let t0 = Instant::now();
-        st.record_ttft(EndpointKey(1), secs(0.1), t0);
-        st.record_ttft(EndpointKey(2), secs(0.1), t0 + secs(50.0));
-        let g = st.begin(EndpointKey(3), t0);
-        assert_eq!(st.len(), 3);
-        assert_eq!(st.prune_idle(t0 + secs(60.0), secs(30.0)), 1);
-        assert_eq!(st.len(), 2);
-        st.forget(EndpointKey(3));
-        assert_eq!(st.running(EndpointKey(3)), 0);
-        drop(g); // detached entry: no underflow visible, no panic
-        assert_eq!(st.running(EndpointKey(3)), 0);
+        let g1 = st.begin(t0);
+        let g2 = st.begin(t0);
+        assert_eq!(st.unscraped(), 2, "two picks the metrics cannot show yet");
+        drop(g1);
+        assert_eq!(st.unscraped(), 1, "a finished request releases its place");
+        st.note_scrape();
+        assert_eq!(st.unscraped(), 0, "the scrape counts g2 now");
+        let g3 = st.begin(t0);
+        drop(g2);
+        assert_eq!(st.unscraped(), 1, "g2 ending does not release g3's place");
+        drop(g3);
+        assert_eq!(st.unscraped(), 0);
+        assert_eq!(st.running(), 0);
     }
 
     #[test]
     fn concurrent_guards() {
-        let st = Arc::new(DestinationStats::default());
+        let all: Arc<Vec<Arc<DestStats>>> =
+            Arc::new((0..3).map(|_| Arc::new(DestStats::default())).collect());
         let threads: Vec<_> = (0..4)
             .map(|_| {
-                let st = st.clone();
+                let all = all.clone();
                 std::thread::spawn(move || {
-                    for i in 0..5000u64 {
-                        let g = st.begin(EndpointKey(i % 3), Instant::now());
+                    for i in 0..5000usize {
+                        let g = all[i % 3].begin(Instant::now());
                         g.record_ttft(secs(0.01), Instant::now());
                         if i % 2 == 0 {
                             g.finish(Outcome::Success, Instant::now());
@@ -625,9 +584,10 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        for k in 0..3 {
-            assert_eq!(st.running(EndpointKey(k)), 0);
-            assert!(st.observed_ttft(EndpointKey(k), Instant::now()).is_some());
+        for st in all.iter() {
+            assert_eq!(st.running(), 0);
+            assert_eq!(st.unscraped(), 0);
+            assert!(st.observed_ttft(Instant::now()).is_some());
         }
     }
 }

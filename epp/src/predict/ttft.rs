@@ -22,12 +22,8 @@
 //! model (warm-started from the global one) that takes over for prediction once
 //! it has seen `min_endpoint_observations` samples.
 
-use super::sync::{lock, read, write};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-
-use super::prefix::EndpointKey;
+use super::sync::lock;
+use std::sync::Mutex;
 
 const DIM: usize = 5;
 /// Uncached tokens enter the regression in thousands so all features are O(1..100)
@@ -153,8 +149,6 @@ pub struct TtftConfig {
     pub min_endpoint_observations: u64,
     /// Observed TTFTs above this (s) are ignored; predictions are capped to it.
     pub max_ttft: f64,
-    /// Endpoint models kept at most; the least recently observed one is dropped.
-    pub max_endpoints: usize,
 }
 
 impl Default for TtftConfig {
@@ -185,7 +179,6 @@ impl Default for TtftConfig {
             forgetting: 0.99,
             min_endpoint_observations: 20,
             max_ttft: 600.0,
-            max_endpoints: 4096,
         }
     }
 }
@@ -386,19 +379,22 @@ impl Rls {
     }
 }
 
-struct EndpointModel {
-    rls: Mutex<Rls>,
-    last_observed: AtomicU64,
+/// One endpoint's own TTFT model, owned by its registry slot (created and
+/// dropped with it). Starts empty; the first observation warm-starts it from
+/// the global model.
+#[derive(Default)]
+pub struct EndpointTtft {
+    rls: Mutex<Option<Rls>>,
 }
 
-/// Thread-safe online TTFT predictor (see the module doc). Predictions cost one
-/// short mutex hold and a 5-term dot product; observations a 5×5 RLS step.
+/// Thread-safe online TTFT predictor (see the module doc): the shared global
+/// model and the tuning; each endpoint's own model is an [`EndpointTtft`].
+/// Predictions cost one short mutex hold and a 5-term dot product;
+/// observations a 5×5 RLS step.
 pub struct TtftPredictor {
     cfg: TtftConfig,
     prm: Params,
     global: Mutex<Rls>,
-    endpoints: RwLock<HashMap<EndpointKey, Arc<EndpointModel>>>,
-    tick: AtomicU64,
 }
 
 impl Default for TtftPredictor {
@@ -414,8 +410,6 @@ impl TtftPredictor {
             global: Mutex::new(Rls::new(cfg.prior.to_internal(), &prm)),
             cfg,
             prm,
-            endpoints: RwLock::new(HashMap::new()),
-            tick: AtomicU64::new(0),
         }
     }
 
@@ -423,26 +417,15 @@ impl TtftPredictor {
         &self.cfg
     }
 
-    fn model_for_prediction(&self, endpoint: EndpointKey) -> Option<Arc<EndpointModel>> {
-        read(&self.endpoints).get(&endpoint).cloned()
-    }
-
     /// Predicted TTFT in seconds, finite and within `[0, max_ttft]`. Uses the
     /// endpoint's own model once it has enough observations, else the global one.
-    pub fn predict(&self, endpoint: EndpointKey, f: &TtftFeatures) -> f64 {
+    pub fn predict(&self, endpoint: &EndpointTtft, f: &TtftFeatures) -> f64 {
         let x = f.lenient();
-        let y = match self.model_for_prediction(endpoint) {
-            Some(m) => {
-                let rls = lock(&m.rls);
-                if rls.n >= self.cfg.min_endpoint_observations {
-                    rls.predict(&x)
-                } else {
-                    drop(rls);
-                    lock(&self.global).predict(&x)
-                }
-            }
-            None => lock(&self.global).predict(&x),
-        };
+        let own = lock(&endpoint.rls)
+            .as_ref()
+            .filter(|rls| rls.n >= self.cfg.min_endpoint_observations)
+            .map(|rls| rls.predict(&x));
+        let y = own.unwrap_or_else(|| lock(&self.global).predict(&x));
         if y.is_finite() {
             y.clamp(0.0, self.prm.max_ttft)
         } else {
@@ -452,7 +435,7 @@ impl TtftPredictor {
 
     /// Learns from one served request: the features it was routed with and the
     /// TTFT observed (seconds). Invalid inputs are ignored.
-    pub fn observe(&self, endpoint: EndpointKey, f: &TtftFeatures, observed_ttft: f64) {
+    pub fn observe(&self, endpoint: &EndpointTtft, f: &TtftFeatures, observed_ttft: f64) {
         let Some(x) = f.strict() else { return };
         if !(observed_ttft.is_finite() && observed_ttft > 0.0 && observed_ttft <= self.prm.max_ttft)
         {
@@ -463,45 +446,20 @@ impl TtftPredictor {
             g.update(&x, observed_ttft, &self.prm);
             g.theta
         };
-        let t = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
-        let m = match self.model_for_prediction(endpoint) {
-            Some(m) => m,
-            None => {
-                let mut map = write(&self.endpoints);
-                if !map.contains_key(&endpoint) && map.len() >= self.cfg.max_endpoints.max(1) {
-                    // Rare (churn without forget_endpoint): linear scan.
-                    let victim = map
-                        .iter()
-                        .min_by_key(|(_, m)| m.last_observed.load(Ordering::Relaxed))
-                        .map(|(k, _)| *k);
-                    if let Some(v) = victim {
-                        map.remove(&v);
-                    }
-                }
-                map.entry(endpoint)
-                    .or_insert_with(|| {
-                        Arc::new(EndpointModel {
-                            rls: Mutex::new(Rls::new(warm_start, &self.prm)),
-                            last_observed: AtomicU64::new(t),
-                        })
-                    })
-                    .clone()
-            }
-        };
-        m.last_observed.store(t, Ordering::Relaxed);
-        lock(&m.rls).update(&x, observed_ttft, &self.prm);
+        lock(&endpoint.rls)
+            .get_or_insert_with(|| Rls::new(warm_start, &self.prm))
+            .update(&x, observed_ttft, &self.prm);
     }
 
     /// Coefficients currently used for `endpoint` (its own model once trained,
     /// else the global one), e.g. for debugging or metrics.
-    pub fn coefficients(&self, endpoint: EndpointKey) -> TtftCoefficients {
-        if let Some(m) = self.model_for_prediction(endpoint) {
-            let rls = lock(&m.rls);
-            if rls.n >= self.cfg.min_endpoint_observations {
-                return TtftCoefficients::from_internal(&rls.theta);
-            }
+    pub fn coefficients(&self, endpoint: &EndpointTtft) -> TtftCoefficients {
+        if let Some(rls) = lock(&endpoint.rls).as_ref()
+            && rls.n >= self.cfg.min_endpoint_observations
+        {
+            return TtftCoefficients::from_internal(&rls.theta);
         }
-        TtftCoefficients::from_internal(&lock(&self.global).theta)
+        self.global_coefficients()
     }
 
     /// Global model coefficients.
@@ -510,14 +468,8 @@ impl TtftPredictor {
     }
 
     /// Valid observations recorded for `endpoint`.
-    pub fn observations(&self, endpoint: EndpointKey) -> u64 {
-        self.model_for_prediction(endpoint)
-            .map_or(0, |m| lock(&m.rls).n)
-    }
-
-    /// Drops the endpoint's model (Pod gone or replaced).
-    pub fn forget_endpoint(&self, endpoint: EndpointKey) {
-        write(&self.endpoints).remove(&endpoint);
+    pub fn observations(&self, endpoint: &EndpointTtft) -> u64 {
+        lock(&endpoint.rls).as_ref().map_or(0, |rls| rls.n)
     }
 }
 
@@ -525,6 +477,7 @@ impl TtftPredictor {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng, rngs::StdRng};
+    use std::sync::Arc;
 
     #[derive(Clone, Copy)]
     struct Law {
@@ -585,7 +538,14 @@ mod tests {
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
     }
 
-    fn train(p: &TtftPredictor, rng: &mut StdRng, n: usize, noise: f64, outliers: bool) {
+    fn train(
+        p: &TtftPredictor,
+        m: &[EndpointTtft],
+        rng: &mut StdRng,
+        n: usize,
+        noise: f64,
+        outliers: bool,
+    ) {
         for _ in 0..n {
             for (i, law) in LAWS.iter().enumerate() {
                 let f = features(rng);
@@ -603,34 +563,39 @@ mod tests {
                         _ => {}
                     }
                 }
-                p.observe(EndpointKey(i as u64), &f_obs, y);
+                p.observe(&m[i], &f_obs, y);
             }
         }
     }
 
-    fn mae(p: &TtftPredictor, rng: &mut StdRng) -> [f64; 3] {
+    fn mae(p: &TtftPredictor, m: &[EndpointTtft], rng: &mut StdRng) -> [f64; 3] {
         let mut out = [0.0; 3];
         for (i, law) in LAWS.iter().enumerate() {
             let n = 500;
             for _ in 0..n {
                 let f = features(rng);
-                out[i] += (p.predict(EndpointKey(i as u64), &f) - law.ttft(&f)).abs() / n as f64;
+                out[i] += (p.predict(&m[i], &f) - law.ttft(&f)).abs() / n as f64;
             }
         }
         out
     }
 
+    fn models(n: usize) -> Vec<EndpointTtft> {
+        (0..n).map(|_| EndpointTtft::default()).collect()
+    }
+
     #[test]
     fn priors_are_sane() {
         let p = TtftPredictor::default();
+        let m = models(2);
         let f = TtftFeatures::new(0.0, 0.0, 5000.0, 0.0, 0.2);
-        let y = p.predict(EndpointKey(1), &f);
+        let y = p.predict(&m[1], &f);
         assert!((y - 1.02).abs() < 1e-9, "{y}");
         // Cached prefix lowers the prediction; queue raises it.
         let cached = TtftFeatures::new(0.0, 0.0, 5000.0, 4000.0, 0.2);
-        assert!(p.predict(EndpointKey(1), &cached) < y);
+        assert!(p.predict(&m[1], &cached) < y);
         let queued = TtftFeatures::new(4.0, 0.0, 5000.0, 0.0, 0.2);
-        assert!(p.predict(EndpointKey(1), &queued) > y);
+        assert!(p.predict(&m[1], &queued) > y);
         assert_eq!(
             TtftFeatures::new(0.0, 0.0, 10.0, 50.0, 0.0).uncached_tokens,
             0.0
@@ -641,9 +606,10 @@ mod tests {
     fn converges_and_ranks() {
         let mut rng = StdRng::seed_from_u64(1);
         let p = TtftPredictor::default();
-        let before = mae(&p, &mut StdRng::seed_from_u64(99));
-        train(&p, &mut rng, 600, 0.02, false);
-        let after = mae(&p, &mut StdRng::seed_from_u64(99));
+        let m = models(3);
+        let before = mae(&p, &m, &mut StdRng::seed_from_u64(99));
+        train(&p, &m, &mut rng, 600, 0.02, false);
+        let after = mae(&p, &m, &mut StdRng::seed_from_u64(99));
         for i in 0..3 {
             // Against the noise-free law (samples had σ = 20 ms noise); measured ≈ 1-3 ms.
             assert!(
@@ -657,7 +623,7 @@ mod tests {
                 "endpoint {i}: {after:?} vs {before:?}"
             );
         }
-        let c = p.coefficients(EndpointKey(2));
+        let c = p.coefficients(&m[2]);
         assert!((c.per_token * 2000.0 - 1.0).abs() < 0.05, "{c:?}");
         assert!((c.per_queued - 0.6).abs() < 0.05, "{c:?}");
         // Ranking matches the true ranking on fresh feature vectors, whenever
@@ -670,10 +636,7 @@ mod tests {
                     let (ta, tb) = (LAWS[a].ttft(&fs[a]), LAWS[b].ttft(&fs[b]));
                     if ta + 0.1 < tb {
                         checked += 1;
-                        let (pa, pb) = (
-                            p.predict(EndpointKey(a as u64), &fs[a]),
-                            p.predict(EndpointKey(b as u64), &fs[b]),
-                        );
+                        let (pa, pb) = (p.predict(&m[a], &fs[a]), p.predict(&m[b], &fs[b]));
                         assert!(pa < pb, "rank {a}:{ta}/{pa} vs {b}:{tb}/{pb}");
                     }
                 }
@@ -686,8 +649,9 @@ mod tests {
     fn robust_to_outliers_and_garbage() {
         let mut rng = StdRng::seed_from_u64(2);
         let p = TtftPredictor::default();
-        train(&p, &mut rng, 1000, 0.02, true);
-        let after = mae(&p, &mut StdRng::seed_from_u64(98));
+        let m = models(3);
+        train(&p, &m, &mut rng, 1000, 0.02, true);
+        let after = mae(&p, &m, &mut StdRng::seed_from_u64(98));
         for (i, m) in after.iter().enumerate() {
             // Measured ≈ 3-21 ms with ~17% of the samples corrupted.
             assert!(*m < 0.05, "endpoint {i}: mae {m}");
@@ -699,7 +663,7 @@ mod tests {
             uncached_tokens: f64::INFINITY,
             kv_utilization: 7.0,
         };
-        let y = p.predict(EndpointKey(0), &bad);
+        let y = p.predict(&m[0], &bad);
         assert!(y.is_finite() && (0.0..=600.0).contains(&y));
         let c = p.global_coefficients();
         for v in [c.base, c.per_queued, c.per_running, c.per_token, c.per_kv] {
@@ -714,7 +678,7 @@ mod tests {
             ..Default::default()
         });
         let f = TtftFeatures::new(1.0, 2.0, 3000.0, 0.0, 0.5);
-        let (fast, slow) = (EndpointKey(1), EndpointKey(2));
+        let (fast, slow) = (&EndpointTtft::default(), &EndpointTtft::default());
         for _ in 0..9 {
             p.observe(fast, &f, 0.05);
         }
@@ -730,8 +694,6 @@ mod tests {
         }
         assert!(p.predict(fast, &f) < 0.3, "{}", p.predict(fast, &f));
         assert!(p.predict(slow, &f) > 2.0, "{}", p.predict(slow, &f));
-        p.forget_endpoint(slow);
-        assert_eq!(p.observations(slow), 0);
     }
 
     #[test]
@@ -739,13 +701,14 @@ mod tests {
         // Anti-correlated data (more queue, faster TTFT) must not drive
         // per_queued negative.
         let p = TtftPredictor::default();
+        let m = models(2);
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..500 {
             let w = rng.random_range(0..10) as f64;
             let f = TtftFeatures::new(w, 0.0, 1000.0, 0.0, 0.0);
-            p.observe(EndpointKey(1), &f, (2.0 - 0.15 * w).max(0.05));
+            p.observe(&m[1], &f, (2.0 - 0.15 * w).max(0.05));
         }
-        let c = p.coefficients(EndpointKey(1));
+        let c = p.coefficients(&m[1]);
         assert!(
             c.per_queued >= 0.0 && c.per_token >= 0.0 && c.base >= 0.0,
             "{c:?}"
@@ -756,7 +719,7 @@ mod tests {
     fn tracks_a_slowdown() {
         let p = TtftPredictor::default();
         let mut rng = StdRng::seed_from_u64(4);
-        let e = EndpointKey(0);
+        let e = &EndpointTtft::default();
         let fast = LAWS[0];
         let slow = Law {
             tok_per_s: 1500.0,
@@ -783,16 +746,17 @@ mod tests {
     #[test]
     fn concurrent_observe_and_predict() {
         let p = Arc::new(TtftPredictor::default());
+        let m = Arc::new(models(3));
         let threads: Vec<_> = (0..4)
             .map(|t| {
-                let p = p.clone();
+                let (p, m) = (p.clone(), m.clone());
                 std::thread::spawn(move || {
                     let mut rng = StdRng::seed_from_u64(t);
                     for _ in 0..2000 {
                         let f = features(&mut rng);
-                        let k = EndpointKey(rng.random_range(0..3));
-                        p.observe(k, &f, LAWS[k.0 as usize].ttft(&f));
-                        assert!(p.predict(k, &f).is_finite());
+                        let k = rng.random_range(0..3);
+                        p.observe(&m[k], &f, LAWS[k].ttft(&f));
+                        assert!(p.predict(&m[k], &f).is_finite());
                     }
                 })
             })
@@ -800,9 +764,6 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(
-            (0..3).map(|i| p.observations(EndpointKey(i))).sum::<u64>(),
-            8000
-        );
+        assert_eq!(m.iter().map(|e| p.observations(e)).sum::<u64>(), 8000);
     }
 }

@@ -1,0 +1,66 @@
+//! Everything the EPP learns about one destination, in one place: its live
+//! statistics and breaker, the prompt prefixes it received and its own TTFT
+//! model. A local endpoint's state is owned by its registry slot, a
+//! provider's by the provider's entry, so it is created, resized and dropped
+//! with the destination and nothing outlives it.
+
+use std::sync::Arc;
+
+use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
+use super::stats::{DestStats, StatsConfig};
+use super::ttft::EndpointTtft;
+
+/// How a new destination's state starts.
+#[derive(Debug, Clone, Copy)]
+pub struct DestinationConfig {
+    pub stats: StatsConfig,
+    /// Prefix-cache blocks until the server's KV-cache size is known.
+    pub prefix_blocks: usize,
+}
+
+impl Default for DestinationConfig {
+    fn default() -> Self {
+        DestinationConfig {
+            stats: StatsConfig::default(),
+            prefix_blocks: DEFAULT_BLOCKS_PER_ENDPOINT,
+        }
+    }
+}
+
+pub struct DestinationState {
+    pub stats: Arc<DestStats>,
+    pub prefix: PrefixCache,
+    pub ttft: EndpointTtft,
+}
+
+impl DestinationState {
+    pub fn new(config: &DestinationConfig) -> Arc<Self> {
+        Arc::new(DestinationState {
+            stats: Arc::new(DestStats::new(config.stats)),
+            prefix: PrefixCache::new(config.prefix_blocks),
+            ttft: EndpointTtft::default(),
+        })
+    }
+
+    /// New metrics of the destination: sizes the prefix cache like the
+    /// server's KV cache when the metrics say how large it is, and releases
+    /// the load reserved for requests the metrics now include.
+    pub fn scraped(&self, num_gpu_blocks: Option<u64>, block_size: Option<u32>) {
+        if let (Some(blocks), Some(size)) = (num_gpu_blocks, block_size)
+            && blocks > 0
+            && size > 0
+        {
+            self.prefix.set_capacity(blocks_for_kv_cache(blocks, size));
+        }
+        self.stats.note_scrape();
+    }
+}
+
+impl std::fmt::Debug for DestinationState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DestinationState")
+            .field("running", &self.stats.running())
+            .field("prefix_blocks", &self.prefix.len())
+            .finish_non_exhaustive()
+    }
+}
