@@ -44,6 +44,10 @@ fn operator_generated_epp_arguments_parse() {
     assert_eq!(parsed.policy_configmap.as_deref(), Some("chat-policy"));
     assert_eq!(parsed.namespace, "team-a");
     assert_eq!(parsed.pod_name.as_deref(), Some("chat-epp-abc"));
+    // JSON logs, the default of both binaries' shared `--log-format`; not
+    // through the deprecated `--text-logs`.
+    assert_eq!(parsed.log_format(), Default::default());
+    assert!(!parsed.text_logs, "{args:?}");
     assert_eq!(
         (
             parsed.grpc_port,

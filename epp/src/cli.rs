@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
 use clap::Parser;
+use kinference_runtime::{LogArgs, LogFormat};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -64,9 +65,24 @@ pub struct Args {
     /// EPP's default); `--secure-serving=false` for plaintext.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub secure_serving: bool,
-    /// Log as JSON (default) or human-readable text.
-    #[arg(long, default_value_t = false)]
+    // `--log-format json|text`, the same flag as the operator's.
+    #[command(flatten)]
+    pub logs: LogArgs,
+    /// Deprecated alias of `--log-format=text`.
+    #[arg(long, hide = true, default_value_t = false)]
     pub text_logs: bool,
+}
+
+impl Args {
+    /// The log format: `--log-format`, or text with the deprecated
+    /// `--text-logs`.
+    pub fn log_format(&self) -> LogFormat {
+        if self.text_logs {
+            LogFormat::Text
+        } else {
+            self.logs.log_format
+        }
+    }
 }
 
 #[cfg(test)]
@@ -103,6 +119,36 @@ mod tests {
         for bad in ["localhost", "0.0.0.0:9002", ""] {
             assert!(parse(&["--bind-address", bad]).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn log_format_is_json_by_default_and_text_on_request() {
+        use kinference_runtime::LogFormat;
+        // Assumes KINFERENCE_LOG_FORMAT is unset, as in CI.
+        assert_eq!(parse(&[]).unwrap().log_format(), LogFormat::Json);
+        for args in [
+            &["--log-format", "text"][..],
+            &["--log-format=text"],
+            &["--text-logs"],
+        ] {
+            assert_eq!(
+                parse(args).unwrap().log_format(),
+                LogFormat::Text,
+                "{args:?}"
+            );
+        }
+        assert_eq!(
+            parse(&["--log-format", "json"]).unwrap().log_format(),
+            LogFormat::Json
+        );
+        assert!(parse(&["--log-format", "pretty"]).is_err());
+    }
+
+    #[test]
+    fn text_logs_is_hidden() {
+        let help = Args::command().render_long_help().to_string();
+        assert!(help.contains("--log-format"), "{help}");
+        assert!(!help.contains("--text-logs"), "{help}");
     }
 
     #[test]

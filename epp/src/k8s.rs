@@ -46,11 +46,20 @@ pub async fn watch_policy_configmap(epp: Epp, client: Client, namespace: String,
 
 /// Runs Pod discovery for the loaded policy's pool, restarting it when the
 /// selector or the list of target ports (any of them, or their order, which
-/// fixes the rank names) changes.
+/// fixes the rank names) changes. Returns when discovery itself stops, so
+/// the supervisor marks the EPP not ready and starts it again: a frozen
+/// endpoint list must not look healthy.
 pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
+    /// The discovery task, aborted when replaced or when this returns.
+    struct Discovery(tokio::task::JoinHandle<()>);
+    impl Drop for Discovery {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
     let mut changes = epp.policy().subscribe();
     let mut current: Option<(BTreeMap<String, String>, Vec<u16>)> = None;
-    let mut task: Option<tokio::task::JoinHandle<()>> = None;
+    let mut task: Option<Discovery> = None;
     loop {
         let wanted = epp.policy().current().and_then(|p| {
             let pool = &p.compiled.pool;
@@ -58,24 +67,34 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
                 .then(|| (pool.selector.clone(), pool.target_ports.clone()))
         });
         if wanted != current {
-            if let Some(t) = task.take() {
-                t.abort();
-            }
-            if let Some((selector, ports)) = wanted.clone() {
+            task = wanted.clone().map(|(selector, ports)| {
                 let (client, ns, registry) =
                     (client.clone(), namespace.clone(), epp.registry().clone());
-                task = Some(tokio::spawn(async move {
+                Discovery(tokio::spawn(async move {
                     if let Err(error) =
                         run_pod_discovery(client, ns, selector, ports, registry).await
                     {
                         tracing::error!(%error, "pod discovery stopped");
                     }
-                }));
-            }
+                }))
+            });
             current = wanted;
         }
-        if changes.changed().await.is_err() {
-            return;
+        let ended = async {
+            match task.as_mut() {
+                Some(t) => {
+                    let _ = (&mut t.0).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = ended => return,
         }
     }
 }

@@ -12,11 +12,18 @@ use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
 use kinference_epp::provider_keys;
 use kinference_epp::server::{Epp, Settings, bind};
+use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
+
+/// How long in-flight ext_proc streams get to finish after SIGTERM.
+const DRAIN: Duration = Duration::from_secs(25);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    init_logs(args.text_logs);
+    logs::init(args.log_format());
+    if args.text_logs {
+        tracing::warn!("--text-logs is deprecated: use --log-format=text");
+    }
     // Compile the classifiers' patterns now, not on the first request.
     kinference_classifiers::warm_up();
     let epp = Epp::new(Settings {
@@ -29,16 +36,25 @@ async fn main() -> anyhow::Result<()> {
         secure_serving: args.secure_serving,
         ..Settings::default()
     });
-    let mut background = Vec::new();
-    if let Some(path) = &args.policy_file {
-        background.push(epp.watch_policy_file(path.clone(), Duration::from_secs(1)));
+    // Every background task runs supervised: one that stops (returns or
+    // panics) turns readiness off (gRPC `readiness`, /readyz), is logged and
+    // is started again with backoff. Dropping `tasks` stops them all.
+    let mut tasks = Supervisor::new(epp.readiness().clone());
+    if let Some(path) = args.policy_file.clone() {
+        let epp = epp.clone();
+        tasks.spawn("policy-file", move || {
+            AbortOnDrop::new(epp.watch_policy_file(path.clone(), Duration::from_secs(1)))
+        });
     }
-    if let Some(dir) = &args.provider_secrets_dir {
-        background.push(provider_keys::watch_secrets_dir(
-            epp.clone(),
-            dir.clone(),
-            Duration::from_secs(2),
-        ));
+    if let Some(dir) = args.provider_secrets_dir.clone() {
+        let epp = epp.clone();
+        tasks.spawn("provider-secrets-dir", move || {
+            AbortOnDrop::new(provider_keys::watch_secrets_dir(
+                epp.clone(),
+                dir.clone(),
+                Duration::from_secs(2),
+            ))
+        });
     }
     if let Some(path) = &args.endpoints_file {
         let endpoints =
@@ -50,38 +66,36 @@ async fn main() -> anyhow::Result<()> {
         let client = kube::Client::try_default()
             .await
             .context("connecting to the Kubernetes API")?;
+        let ns = &args.namespace;
         if let Some(name) = args.policy_configmap.clone() {
-            background.push(tokio::spawn(k8s::watch_policy_configmap(
-                epp.clone(),
-                client.clone(),
-                args.namespace.clone(),
-                name,
-            )));
+            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+            tasks.spawn("policy-configmap", move || {
+                k8s::watch_policy_configmap(epp.clone(), client.clone(), ns.clone(), name.clone())
+            });
         }
         if args.endpoints_file.is_none() {
-            background.push(tokio::spawn(k8s::run_discovery(
-                epp.clone(),
-                client.clone(),
-                args.namespace.clone(),
-            )));
+            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+            tasks.spawn("discovery", move || {
+                k8s::run_discovery(epp.clone(), client.clone(), ns.clone())
+            });
         }
         if args.provider_secrets_dir.is_none() {
-            background.push(tokio::spawn(k8s::watch_provider_secrets(
-                epp.clone(),
-                client.clone(),
-                args.namespace.clone(),
-            )));
+            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+            tasks.spawn("provider-secrets", move || {
+                k8s::watch_provider_secrets(epp.clone(), client.clone(), ns.clone())
+            });
         }
         if let Some(pod) = args.pod_name.clone() {
-            background.push(tokio::spawn(k8s::report_loaded_hash(
-                epp.clone(),
-                client,
-                args.namespace.clone(),
-                pod,
-            )));
+            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+            tasks.spawn("hash-report", move || {
+                k8s::report_loaded_hash(epp.clone(), client.clone(), ns.clone(), pod.clone())
+            });
         }
     }
-    background.push(epp.spawn_scraper());
+    {
+        let epp = epp.clone();
+        tasks.spawn("scraper", move || AbortOnDrop::new(epp.spawn_scraper()));
+    }
 
     let at = |port| SocketAddr::new(args.bind_address, port);
     let (grpc, health, http) = (
@@ -94,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
         grpc = args.grpc_port,
         health = args.grpc_health_port,
         metrics = args.metrics_port,
+        tasks = ?tasks.names().collect::<Vec<_>>(),
         "serving"
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -103,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
-    let servers = tokio::spawn({
+    let mut servers = tokio::spawn({
         let epp = epp.clone();
         let stopped = stopped.clone();
         async move {
@@ -114,14 +129,23 @@ async fn main() -> anyhow::Result<()> {
             )
         }
     });
-    shutdown_signal().await;
-    tracing::info!("shutting down: finishing in-flight streams");
+    // Until SIGTERM / Ctrl-C, or until a server fails (then exit non-zero
+    // rather than run on without it).
+    let failed = tokio::select! {
+        _ = shutdown_signal() => None,
+        result = &mut servers => Some(result),
+    };
     let _ = stop_tx.send(true);
-    let result = tokio::time::timeout(Duration::from_secs(25), servers).await;
-    for task in background {
-        task.abort();
-    }
+    let (early, result) = match failed {
+        Some(result) => (true, Ok(result)),
+        None => {
+            tracing::info!("shutting down: finishing in-flight streams");
+            (false, tokio::time::timeout(DRAIN, servers).await)
+        }
+    };
+    tasks.shutdown();
     match result {
+        Ok(Ok(Ok(_))) if early => Err(anyhow::anyhow!("the servers stopped unasked")),
         Ok(Ok(Ok(_))) => Ok(()),
         Ok(Ok(Err(e))) => Err(e),
         Ok(Err(e)) => Err(e.into()),
@@ -132,28 +156,112 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-fn init_logs(text: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    if text {
-        builder.init();
-    } else {
-        builder.json().init();
-    }
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
+    use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+    use kinference_epp::server::{Epp, Settings, bind};
+    use kinference_runtime::{RestartPolicy, Supervisor};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    const POLICY: &str = "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: only\n    route: { select: [{ minimize: QueueDepth }] }\n";
+
+    /// Polls `probe` until it returns `want` (the gRPC readiness follows
+    /// every 200 ms).
+    async fn eventually<F, Fut, T>(what: &str, want: T, probe: F)
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = T>,
+        T: PartialEq + std::fmt::Debug,
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+        let mut last = None;
+        for _ in 0..100 {
+            let got = probe().await;
+            if got == want {
+                return;
+            }
+            last = Some(got);
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        panic!("{what}: wanted {want:?}, last {last:?}");
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopped_background_task_turns_readiness_off_until_restarted() {
+        let epp = Epp::new(Settings::default());
+        epp.policy().load_text(POLICY).unwrap();
+        epp.registry()
+            .replace_all(endpoints_from_specs([EndpointSpec::new("127.0.0.1:9", &["m"])]).unwrap());
+        epp.registry().mark_synced();
+        let (http, health) = (
+            bind("127.0.0.1:0".parse().unwrap()).await.unwrap(),
+            bind("127.0.0.1:0".parse().unwrap()).await.unwrap(),
+        );
+        let (http_addr, health_addr) = (http.local_addr().unwrap(), health.local_addr().unwrap());
+        tokio::spawn({
+            let epp = epp.clone();
+            async move { epp.serve_http(http, std::future::pending()).await }
+        });
+        tokio::spawn({
+            let epp = epp.clone();
+            async move { epp.serve_health(health, std::future::pending()).await }
+        });
+        let readyz = || async move {
+            let r = reqwest::get(format!("http://{http_addr}/readyz"))
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        };
+        let grpc_readiness = || async move {
+            let Ok(channel) =
+                tonic::transport::Channel::from_shared(format!("http://{health_addr}"))
+                    .unwrap()
+                    .connect()
+                    .await
+            else {
+                return -1;
+            };
+            HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: "readiness".into(),
+                })
+                .await
+                .map(|r| r.into_inner().status)
+                .unwrap_or(-1)
+        };
+
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let mut tasks = Supervisor::new(epp.readiness().clone()).with_policy(RestartPolicy {
+            min_delay: Duration::from_millis(500),
+            max_delay: Duration::from_secs(1),
+            reset_after: Duration::from_secs(60),
+            ready_after: Duration::from_millis(500),
+        });
+        tasks.spawn("discovery", {
+            let stop = stop.clone();
+            move || {
+                let stop = stop.clone();
+                async move { stop.notified().await }
+            }
+        });
+        assert!(epp.ready());
+        assert_eq!(readyz().await.0, 200);
+        eventually("gRPC readiness SERVING", 1, grpc_readiness).await;
+
+        stop.notify_one();
+        eventually("ready() off", false, || async { epp.ready() }).await;
+        let (status, why) = readyz().await;
+        assert_eq!(status, 503);
+        assert!(why.contains("discovery") && why.contains("exited"), "{why}");
+        eventually("gRPC readiness NOT_SERVING", 2, grpc_readiness).await;
+
+        // Restarted after 0.5-1 s, running again 0.5 s later.
+        eventually("ready() back", true, || async { epp.ready() }).await;
+        assert_eq!(readyz().await, (200, "ready".to_string()));
+        eventually("gRPC readiness SERVING again", 1, grpc_readiness).await;
+        tasks.shutdown();
+    }
 }

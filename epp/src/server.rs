@@ -14,6 +14,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use futures::FutureExt as _;
+use kinference_runtime::Readiness;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
@@ -63,6 +64,9 @@ pub struct Epp {
     pub picker: Arc<Picker>,
     pub settings: Arc<Settings>,
     health: Arc<Health>,
+    /// Readiness beyond policy and discovery: a background task supervisor
+    /// marks a stopped task down here (see [`Epp::readiness`]).
+    readiness: Readiness,
 }
 
 /// gRPC health statuses, shared by every server that answers
@@ -128,6 +132,7 @@ impl Epp {
             picker: Arc::new(picker),
             settings: Arc::new(settings),
             health: Arc::new(Health::new()),
+            readiness: Readiness::default(),
         }
     }
 
@@ -139,9 +144,18 @@ impl Epp {
         &self.picker.registry
     }
 
-    /// Ready: a policy is loaded and discovery has synced once.
+    /// Ready: a policy is loaded, discovery has synced once and nothing is
+    /// marked down in [`Epp::readiness`].
     pub fn ready(&self) -> bool {
-        self.policy().current().is_some() && self.registry().synced()
+        self.policy().current().is_some() && self.registry().synced() && self.readiness.is_ready()
+    }
+
+    /// What else keeps the EPP from being ready (gRPC `readiness` and
+    /// `/readyz` follow it): hand it to a
+    /// [`kinference_runtime::Supervisor`] so a stopped background task
+    /// turns readiness off until it runs again.
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
     }
 
     /// Scrapes every endpoint's metrics until the handle is aborted.
@@ -315,12 +329,17 @@ async fn readyz(State(epp): State<Epp>) -> impl IntoResponse {
     if epp.ready() {
         (StatusCode::OK, "ready".to_string())
     } else {
-        let why = match (epp.policy().current().is_some(), epp.registry().synced()) {
-            (false, _) => "no policy loaded",
-            (true, false) => "endpoint discovery has not synced",
-            _ => "",
+        let waiting = match (epp.policy().current().is_some(), epp.registry().synced()) {
+            (false, _) => Some("no policy loaded".to_string()),
+            (true, false) => Some("endpoint discovery has not synced".to_string()),
+            _ => None,
         };
-        (StatusCode::SERVICE_UNAVAILABLE, why.to_string())
+        // And any background task down (see `Epp::readiness`).
+        let why: Vec<String> = waiting
+            .into_iter()
+            .chain(epp.readiness.not_ready_reason())
+            .collect();
+        (StatusCode::SERVICE_UNAVAILABLE, why.join("; "))
     }
 }
 

@@ -661,7 +661,12 @@ async fn prefix_locality_sends_a_shared_prefix_back_to_its_endpoint() {
 #[tokio::test]
 async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     use kinference_epp::endpoints::ScrapedMetrics;
-    let epp = Epp::new(Settings::default());
+    // Metrics stay fresh for the whole test (staleness: 3 intervals), however
+    // slow the machine.
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_secs(60),
+        ..Settings::default()
+    });
     epp.policy()
         .load_text(&format!("{POOL}{LEAST_QUEUE}"))
         .expect("policy compiles");

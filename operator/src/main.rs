@@ -11,7 +11,7 @@ use kinference_operator::{
     Config, DEFAULT_EPP_IMAGE, Health, LeaderElectionConfig, Metrics, Requeue, metrics,
     shutdown_channel,
 };
-use tracing_subscriber::EnvFilter;
+use kinference_runtime::{LogArgs, admin, logs, shutdown_signal};
 
 /// Reconciles InferencePolicies into InferencePools, HTTPRoutes and EPPs.
 #[derive(Debug, Parser)]
@@ -42,15 +42,15 @@ struct Args {
     /// Seconds between reconciles of a settled policy (fallback for missed events).
     #[arg(long, default_value_t = 300)]
     resync_seconds: u64,
-    /// Log format: json or text.
-    #[arg(long, env = "KINFERENCE_LOG_FORMAT", default_value = "json")]
-    log_format: String,
+    // `--log-format json|text`, the same flag as the EPP's.
+    #[command(flatten)]
+    logs: LogArgs,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    init_tracing(&args.log_format);
+    logs::init(args.logs.log_format);
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -94,19 +94,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
 
     let (trigger, shutdown) = shutdown_channel();
-    let http = tokio::spawn(metrics::serve(
-        args.metrics_addr,
-        metrics,
-        health,
-        shutdown.clone(),
-    ));
+    let listener = admin::bind(args.metrics_addr).await?;
+    let http = tokio::spawn(admin::serve(listener, metrics::router(metrics, health), {
+        let shutdown = shutdown.clone();
+        async move { shutdown.wait().await }
+    }));
     let operator = tokio::spawn(kinference_operator::run(client, config, shutdown));
     tokio::pin!(operator);
 
     // Graceful shutdown on SIGTERM (kubelet) or Ctrl-C: stop taking work,
     // let in-flight reconciles finish, release the Lease.
     let result = tokio::select! {
-        () = termination() => {
+        _ = shutdown_signal() => {
             tracing::info!("shutting down");
             trigger.trigger();
             operator.await
@@ -130,38 +129,34 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-async fn termination() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-}
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+    use kinference_runtime::LogFormat;
 
-fn init_tracing(format: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    if format == "text" {
-        builder.init();
-    } else {
-        builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .init();
+    use super::Args;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("kinference-operator").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn log_format_is_json_by_default_and_text_on_request() {
+        // Assumes KINFERENCE_LOG_FORMAT is unset, as in CI.
+        assert_eq!(parse(&[]).unwrap().logs.log_format, LogFormat::Json);
+        assert_eq!(
+            parse(&["--log-format", "text"]).unwrap().logs.log_format,
+            LogFormat::Text
+        );
+        assert_eq!(
+            parse(&["--log-format=json"]).unwrap().logs.log_format,
+            LogFormat::Json
+        );
+        assert!(parse(&["--log-format", "yaml"]).is_err());
     }
 }
