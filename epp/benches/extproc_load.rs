@@ -228,7 +228,12 @@ fn floor_router() -> Router {
 /// The EPP's own ext_proc service, as `Epp::serve_ext_proc` builds it.
 fn epp_router(epp: &Epp) -> Router {
     builder().add_service(
-        ExtProcService::new(epp.picker.clone(), epp.settings.ext_proc.clone()).into_server(),
+        ExtProcService::new(
+            epp.picker.clone(),
+            epp.picker.metrics.clone(),
+            epp.settings.ext_proc.clone(),
+        )
+        .into_server(),
     )
 }
 

@@ -176,7 +176,11 @@ impl Epp {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> anyhow::Result<()> {
-        let service = ExtProcService::new(self.picker.clone(), self.settings.ext_proc.clone());
+        let service = ExtProcService::new(
+            self.picker.clone(),
+            self.picker.metrics.clone(),
+            self.settings.ext_proc.clone(),
+        );
         let mut builder = tonic::transport::Server::builder();
         if self.settings.secure_serving {
             builder = builder.tls_config(self_signed_tls()?)?;

@@ -4,6 +4,7 @@
 
 pub mod body;
 pub mod reply;
+pub mod router;
 mod session;
 
 use std::sync::Arc;
@@ -16,7 +17,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::picker::Picker;
+use crate::metrics::Metrics;
+pub use router::Router;
 
 /// GIE protocol names.
 pub const DESTINATION_ENDPOINT: &str = "x-gateway-destination-endpoint";
@@ -56,16 +58,28 @@ impl Default for ExtProcConfig {
     }
 }
 
-#[derive(Clone)]
-pub struct ExtProcService {
-    picker: Arc<Picker>,
+/// The ext_proc gRPC service: one [`session`] per stream, over `router`.
+pub struct ExtProcService<R> {
+    router: Arc<R>,
+    metrics: Arc<Metrics>,
     config: Arc<ExtProcConfig>,
 }
 
-impl ExtProcService {
-    pub fn new(picker: Arc<Picker>, config: ExtProcConfig) -> Self {
+impl<R> Clone for ExtProcService<R> {
+    fn clone(&self) -> Self {
         ExtProcService {
-            picker,
+            router: Arc::clone(&self.router),
+            metrics: Arc::clone(&self.metrics),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<R: Router> ExtProcService<R> {
+    pub fn new(router: Arc<R>, metrics: Arc<Metrics>, config: ExtProcConfig) -> Self {
+        ExtProcService {
+            router,
+            metrics,
             config: Arc::new(config),
         }
     }
@@ -78,7 +92,7 @@ impl ExtProcService {
 }
 
 #[tonic::async_trait]
-impl ExternalProcessor for ExtProcService {
+impl<R: Router> ExternalProcessor for ExtProcService<R> {
     type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
 
     async fn process(
@@ -88,9 +102,13 @@ impl ExternalProcessor for ExtProcService {
         let (tx, rx) = mpsc::channel(32);
         let inbound = request.into_inner();
         // Each stream is its own task: a slow or broken one never holds up others.
-        tokio::spawn(
-            session::Session::new(self.picker.clone(), self.config.clone(), tx).run(inbound),
+        let session = session::Session::new(
+            self.router.clone(),
+            self.metrics.clone(),
+            self.config.clone(),
+            tx,
         );
+        tokio::spawn(session.run(inbound));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }

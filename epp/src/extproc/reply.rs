@@ -1,5 +1,6 @@
-//! Building ext_proc answers: header and body mutations, `envoy.lb` dynamic
-//! metadata, immediate responses.
+//! Building ext_proc answers: the one place where a decision becomes an
+//! Envoy reply ([`answer`]), and the header and body mutations, `envoy.lb`
+//! dynamic metadata and immediate responses it is made of.
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -8,6 +9,120 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+use super::body;
+use super::router::{LocalRoute, ProviderRoute, Route};
+use super::{DESTINATION_ENDPOINT, MODEL_HEADER, RULE_HEADER};
+
+/// Client headers that carry credentials; removed before a provider call.
+const CLIENT_CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "api-key",
+    "cookie",
+];
+
+/// How the gateway exchanges the request with the EPP.
+#[derive(Debug, Clone, Copy)]
+pub struct Exchange<'a> {
+    /// The request body as received (rewritten here when the model changes).
+    pub body: &'a [u8],
+    /// `FULL_DUPLEX_STREAMED` request body: the held headers answer carries
+    /// the routing, the body follows in chunks.
+    pub streamed: bool,
+    /// Fallback endpoints listed after the selected one in the metadata.
+    pub fallbacks: usize,
+}
+
+/// The replies that carry `route` to the gateway, in order. A reject is one
+/// immediate response (final: the stream ends).
+pub fn answer(route: &Route, exchange: Exchange<'_>) -> Vec<ProcessingResponse> {
+    let mutation = match route {
+        Route::Reject {
+            rule,
+            status,
+            message,
+        } => return vec![reject(rule.as_deref(), *status, message)],
+        Route::Local(local) => local_mutation(local, exchange),
+        Route::Provider(provider) => provider_mutation(provider, exchange),
+    };
+    if exchange.streamed {
+        routed_streamed(&mutation, exchange.body)
+    } else {
+        vec![routed_buffered(&mutation)]
+    }
+}
+
+fn reject(rule: Option<&str>, status: u16, message: &str) -> ProcessingResponse {
+    let kind = if status == 429 {
+        "rate_limit_exceeded"
+    } else if status < 500 {
+        "invalid_request_error"
+    } else {
+        "service_unavailable"
+    };
+    let mut answer = immediate_error(status, kind, message);
+    if let Some(rule) = rule {
+        add_immediate_header(&mut answer, RULE_HEADER, rule);
+    }
+    answer
+}
+
+fn local_mutation(local: &LocalRoute, exchange: Exchange<'_>) -> Mutation {
+    // The header names the selected endpoint alone: ORIGINAL_DST clusters
+    // (most gateways) dial it as is and fail on a list. The metadata carries
+    // the ordered list, primary first, for gateways whose override-host
+    // policy retries along it.
+    let primary = local.addresses.first().cloned().unwrap_or_default();
+    let listed = local.addresses.len().min(1 + exchange.fallbacks);
+    Mutation {
+        set_headers: vec![
+            (DESTINATION_ENDPOINT.into(), primary),
+            (RULE_HEADER.into(), local.rule.clone()),
+            (MODEL_HEADER.into(), local.model.clone()),
+        ],
+        // A client must not steer itself to a paid provider.
+        remove_headers: vec![kinference_api::DESTINATION_HEADER.into()],
+        lb_metadata: vec![(
+            DESTINATION_ENDPOINT.into(),
+            local.addresses[..listed].join(","),
+        )],
+        body: rewritten(exchange.body, local.rewrite_model.as_deref()),
+    }
+}
+
+fn provider_mutation(provider: &ProviderRoute, exchange: Exchange<'_>) -> Mutation {
+    let mut set_headers = vec![
+        (
+            kinference_api::DESTINATION_HEADER.into(),
+            format!("provider/{}", provider.provider),
+        ),
+        (RULE_HEADER.into(), provider.rule.clone()),
+        (MODEL_HEADER.into(), provider.model.clone()),
+    ];
+    if let Some(key) = &provider.api_key {
+        set_headers.push(("authorization".into(), format!("Bearer {key}")));
+    }
+    // The client's credentials are for this gateway, never for a provider; a
+    // client-chosen endpoint header must not pull the provider's key to a
+    // host of the client's choosing.
+    let mut remove_headers: Vec<String> = CLIENT_CREDENTIAL_HEADERS
+        .iter()
+        .map(|h| h.to_string())
+        .collect();
+    remove_headers.push(DESTINATION_ENDPOINT.into());
+    Mutation {
+        set_headers,
+        remove_headers,
+        lb_metadata: vec![],
+        body: rewritten(exchange.body, provider.rewrite_model.as_deref()),
+    }
+}
+
+fn rewritten(original: &[u8], model: Option<&str>) -> Option<Vec<u8>> {
+    model.and_then(|m| body::rewrite_model(original, m).ok())
+}
 
 /// Envoy caps a streamed body chunk at 64 KiB; stay clear of it.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;

@@ -1,5 +1,7 @@
 //! One ext_proc stream: request headers → body → decision → answer, then the
-//! response path (which endpoint served, how fast).
+//! response path. This is the protocol alone: the decision comes from a
+//! [`Router`] in one call, what the response showed goes back in another,
+//! and [`reply::answer`] turns the decision into Envoy's replies.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,61 +14,28 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, processing_response::Response as Reply,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
+use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use super::body::{self, Api, path_only};
-use super::reply::{self, Mutation};
+use super::reply;
+use super::router::{Incoming, ResponseFacts, Route, Router};
 use super::*;
-use crate::picker::{Incoming, Pick, Picker, ProviderCredential};
-use crate::predict::{DestinationState, InflightGuard, Outcome, TtftFeatures};
+use crate::metrics::Metrics;
 
 /// `BodySendMode::FullDuplexStreamed` in the filter's protocol config.
 const FULL_DUPLEX_STREAMED: i32 = 4;
 
-/// Client headers that carry credentials; removed before a provider call.
-const CLIENT_CREDENTIAL_HEADERS: &[&str] = &[
-    "authorization",
-    "proxy-authorization",
-    "x-api-key",
-    "api-key",
-    "cookie",
-];
-
-/// What the session remembers after routing, for the response path.
-struct Routed {
-    /// Counts the request on the picked destination until the stream ends.
-    guard: InflightGuard,
-    state: Arc<DestinationState>,
-    /// The picked endpoint's `ip:port`; `None` for a provider.
-    address: Option<String>,
-    features: Option<TtftFeatures>,
-    decided_at: Instant,
-    /// The upstream answered with a non-error status. Until response headers
-    /// are seen the outcome is unknown: a gateway configured with
-    /// `response_header_mode: SKIP` never sends them.
-    answered: bool,
+/// A routed request's ticket, and whether its response was reported.
+struct Routed<T> {
+    ticket: T,
+    completed: bool,
 }
 
-impl Routed {
-    fn new(
-        state: Arc<DestinationState>,
-        address: Option<String>,
-        features: Option<TtftFeatures>,
-    ) -> Self {
-        Routed {
-            guard: state.stats.begin(Instant::now()),
-            state,
-            address,
-            features,
-            decided_at: Instant::now(),
-            answered: false,
-        }
-    }
-}
-
-pub struct Session {
-    picker: Arc<Picker>,
+pub struct Session<R: Router> {
+    router: Arc<R>,
+    metrics: Arc<Metrics>,
     config: Arc<ExtProcConfig>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     request_streamed: bool,
@@ -76,18 +45,20 @@ pub struct Session {
     path: String,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
-    routed: Option<Routed>,
+    routed: Option<Routed<R::Ticket>>,
     done: bool,
 }
 
-impl Session {
+impl<R: Router> Session<R> {
     pub fn new(
-        picker: Arc<Picker>,
+        router: Arc<R>,
+        metrics: Arc<Metrics>,
         config: Arc<ExtProcConfig>,
         tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     ) -> Self {
         Session {
-            picker,
+            router,
+            metrics,
             config,
             tx,
             request_streamed: false,
@@ -102,13 +73,14 @@ impl Session {
         }
     }
 
-    pub async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
-        loop {
-            let msg = match inbound.message().await {
-                Ok(Some(msg)) => msg,
-                // The gateway closed the stream, or it broke mid-way: nothing
-                // is left to answer; the in-flight guard (if any) is released.
-                Ok(None) => break,
+    pub async fn run(
+        mut self,
+        mut inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin,
+    ) {
+        while let Some(item) = inbound.next().await {
+            let msg = match item {
+                Ok(msg) => msg,
+                // The stream broke mid-way: nothing is left to answer.
                 Err(status) => {
                     tracing::debug!(code = ?status.code(), "ext_proc stream ended with an error");
                     break;
@@ -118,16 +90,17 @@ impl Session {
                 break;
             }
         }
-        if let Some(routed) = self.routed.take()
-            && routed.answered
+        // The gateway closed the stream. Without response headers the outcome
+        // is unknown (skipped by the gateway's processing mode, or the client
+        // went away); a gateway's own error reply (no healthy upstream,
+        // connect failure) would have come as response headers with a 5xx.
+        if let Some(mut routed) = self.routed.take()
+            && !routed.completed
         {
-            routed.guard.finish(Outcome::Success, Instant::now());
+            self.router
+                .complete(&mut routed.ticket, ResponseFacts::default());
         }
-        // Otherwise the guard is dropped unfinished: the stream ended without
-        // response headers (skipped by the gateway's processing mode, or the
-        // client went away), so the outcome is unknown, not a failure. A
-        // gateway's own error reply (no healthy upstream, connect failure)
-        // arrives as response headers with a 5xx status.
+        // The ticket drops here: the request is no longer in flight.
     }
 
     /// Returns false when the stream should end.
@@ -252,9 +225,9 @@ impl Session {
                     .await;
             }
         };
-        let pick = self
-            .picker
-            .pick(&Incoming {
+        let (route, ticket) = self
+            .router
+            .route(&Incoming {
                 headers: &self.headers,
                 path: &self.path,
                 api,
@@ -262,123 +235,25 @@ impl Session {
                 subset: self.subset.as_deref(),
             })
             .await;
-        let mut prefix: Option<(Arc<DestinationState>, Vec<u64>)> = None;
-        let mutation = match pick {
-            Pick::Reject {
-                status,
-                message,
-                rule,
-            } => {
-                let kind = if status == 429 {
-                    "rate_limit_exceeded"
-                } else if status < 500 {
-                    "invalid_request_error"
-                } else {
-                    "service_unavailable"
-                };
-                tracing::debug!(?rule, status, "rejected");
-                let mut answer = reply::immediate_error(status, kind, &message);
-                if let Some(rule) = &rule {
-                    reply::add_immediate_header(&mut answer, RULE_HEADER, rule);
-                }
-                // The stream ends either way: an immediate response is final.
-                let _ = self.send(answer).await;
+        self.routed = ticket.map(|ticket| Routed {
+            ticket,
+            completed: false,
+        });
+        let replies = reply::answer(
+            &route,
+            reply::Exchange {
+                body: &self.body,
+                streamed: self.request_streamed,
+                fallbacks: self.config.fallbacks,
+            },
+        );
+        for msg in replies {
+            if !self.send(msg).await {
                 return false;
             }
-            Pick::Local(local) => {
-                self.routed = Some(Routed::new(
-                    Arc::clone(&local.state),
-                    local.addresses.first().cloned(),
-                    local.features,
-                ));
-                prefix = Some((local.state, local.prefix_hashes));
-                // The header names the selected endpoint alone: ORIGINAL_DST
-                // clusters (most gateways) dial it as is and fail on a list.
-                // The metadata carries the ordered list, primary first, for
-                // gateways whose override-host policy retries along it.
-                let primary = local.addresses.first().cloned().unwrap_or_default();
-                let listed = 1 + self.config.fallbacks;
-                let list = local.addresses[..local.addresses.len().min(listed)].join(",");
-                Mutation {
-                    set_headers: vec![
-                        (DESTINATION_ENDPOINT.into(), primary),
-                        (RULE_HEADER.into(), local.rule),
-                        (MODEL_HEADER.into(), local.model),
-                    ],
-                    // A client must not steer itself to a paid provider.
-                    remove_headers: vec![kinference_api::DESTINATION_HEADER.into()],
-                    lb_metadata: vec![(DESTINATION_ENDPOINT.into(), list)],
-                    body: self.rewritten(local.rewrite_model.as_deref()),
-                }
-            }
-            Pick::Provider(p) => {
-                let key = match p.credential {
-                    ProviderCredential::Key(key) => Some(key),
-                    ProviderCredential::NotRequired => None,
-                    ProviderCredential::Missing { secret } => {
-                        // Fail closed: without its key the request would go out
-                        // unauthenticated, or worse with the client's own token.
-                        tracing::warn!(provider = %p.provider, %secret, "provider picked but its API key is not loaded");
-                        let message = format!(
-                            "provider {:?} has no API key loaded (Secret {secret:?})",
-                            p.provider
-                        );
-                        let mut answer =
-                            reply::immediate_error(503, "service_unavailable", &message);
-                        reply::add_immediate_header(&mut answer, RULE_HEADER, &p.rule);
-                        self.picker.metrics.bad_request("provider_key_missing");
-                        let _ = self.send(answer).await;
-                        return false;
-                    }
-                };
-                self.routed = Some(Routed::new(p.state, None, None));
-                let mut set_headers = vec![
-                    (
-                        kinference_api::DESTINATION_HEADER.into(),
-                        format!("provider/{}", p.provider),
-                    ),
-                    (RULE_HEADER.into(), p.rule),
-                    (MODEL_HEADER.into(), p.model),
-                ];
-                if let Some(key) = key {
-                    set_headers.push(("authorization".into(), format!("Bearer {key}")));
-                }
-                // The client's credentials are for this gateway, never for a
-                // provider; a client-chosen endpoint header must not pull the
-                // provider's key to a host of the client's choosing.
-                let mut remove_headers: Vec<String> = CLIENT_CREDENTIAL_HEADERS
-                    .iter()
-                    .map(|h| h.to_string())
-                    .collect();
-                remove_headers.push(DESTINATION_ENDPOINT.into());
-                Mutation {
-                    set_headers,
-                    remove_headers,
-                    lb_metadata: vec![],
-                    body: self.rewritten(p.rewrite_model.as_deref()),
-                }
-            }
-        };
-        let sent = if self.request_streamed {
-            let mut ok = true;
-            for msg in reply::routed_streamed(&mutation, &self.body) {
-                if !self.send(msg).await {
-                    ok = false;
-                    break;
-                }
-            }
-            ok
-        } else {
-            self.send(reply::routed_buffered(&mutation)).await
-        };
-        if let Some((state, hashes)) = prefix {
-            state.prefix.record(&hashes);
         }
-        sent
-    }
-
-    fn rewritten(&self, model: Option<&str>) -> Option<Vec<u8>> {
-        model.and_then(|m| body::rewrite_model(&self.body, m).ok())
+        // An immediate response (a reject) is final: the stream ends.
+        !matches!(route, Route::Reject { .. })
     }
 
     async fn on_response_headers(
@@ -391,37 +266,22 @@ impl Session {
             .get(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(200);
-        let reported = headers
+        let reported_ttft = headers
             .get(OBSERVED_TTFT_HEADER)
             .and_then(|v| v.parse::<f64>().ok())
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
             .map(|ms| Duration::from_secs_f64(ms / 1000.0));
-        let now = Instant::now();
-        let failed = status >= 500 || status == 429;
-        match self.routed.take() {
-            None => {}
-            Some(routed) if failed => routed.guard.finish(Outcome::Failure, now),
-            // The gateway went down the fallback list: the primary failed and
-            // another endpoint answered. Credit that one with the success
-            // and its TTFT; the model is calibrated only on the predicted one.
-            Some(routed) if fell_back(&routed, served.as_deref()) => {
-                let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
-                let actual = served
-                    .as_deref()
-                    .and_then(|a| self.picker.registry.state_at(a));
-                if let Some(actual) = actual {
-                    self.picker.observe_ttft(&actual, None, ttft);
-                    actual.stats.record_outcome(Outcome::Success, now);
-                }
-                routed.guard.finish(Outcome::Failure, now);
-            }
-            Some(mut routed) => {
-                let ttft = reported.unwrap_or_else(|| now - routed.decided_at);
-                self.picker
-                    .observe_ttft(&routed.state, routed.features.as_ref(), ttft);
-                routed.answered = true;
-                self.routed = Some(routed);
-            }
+        if let Some(routed) = &mut self.routed
+            && !routed.completed
+        {
+            routed.completed = true;
+            let facts = ResponseFacts {
+                status: Some(status),
+                served: served.clone(),
+                at: Some(Instant::now()),
+                reported_ttft,
+            };
+            self.router.complete(&mut routed.ticket, facts);
         }
         let mut answer = reply::continue_response_headers();
         if self.config.conformance_hooks
@@ -440,12 +300,6 @@ impl Session {
     }
 
     async fn on_response_body(&mut self, b: HttpBody) -> bool {
-        if b.end_of_stream
-            && self.routed.as_ref().is_some_and(|r| r.answered)
-            && let Some(routed) = self.routed.take()
-        {
-            routed.guard.finish(Outcome::Success, Instant::now());
-        }
         if !self.response_streamed {
             return self.send(reply::continue_response_body()).await;
         }
@@ -482,7 +336,7 @@ impl Session {
     /// Refuses before routing; ends the stream.
     async fn refuse(&mut self, status: u16, kind: &str, reason: &str, message: &str) -> bool {
         self.done = true;
-        self.picker.metrics.bad_request(reason);
+        self.metrics.bad_request(reason);
         let _ = self
             .send(reply::immediate_error(status, kind, message))
             .await;
@@ -492,12 +346,6 @@ impl Session {
     async fn send(&self, msg: ProcessingResponse) -> bool {
         self.tx.send(Ok(msg)).await.is_ok()
     }
-}
-
-/// Whether the gateway reports that an endpoint other than the one picked
-/// served the request.
-fn fell_back(routed: &Routed, served: Option<&str>) -> bool {
-    matches!((routed.address.as_deref(), served), (Some(picked), Some(served)) if picked != served)
 }
 
 fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
@@ -559,5 +407,263 @@ fn served_endpoint(md: &Metadata) -> Option<String> {
     {
         Kind::StringValue(s) => Some(s.clone()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The session against a fake router: the protocol alone, message by
+    //! message, with no decision logic behind it.
+
+    use std::sync::Mutex;
+
+    use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProtocolConfiguration};
+
+    use super::*;
+    use crate::extproc::router::LocalRoute;
+
+    /// Routes every request to one fixed answer and records what it is told.
+    struct FakeRouter {
+        route: Route,
+        routed: Mutex<Vec<String>>,
+        completed: Mutex<Vec<ResponseFacts>>,
+        tickets_alive: Arc<()>,
+    }
+
+    impl FakeRouter {
+        fn new(route: Route) -> Arc<Self> {
+            Arc::new(FakeRouter {
+                route,
+                routed: Mutex::default(),
+                completed: Mutex::default(),
+                tickets_alive: Arc::new(()),
+            })
+        }
+
+        fn live_tickets(&self) -> usize {
+            Arc::strong_count(&self.tickets_alive) - 1
+        }
+    }
+
+    impl Router for FakeRouter {
+        type Ticket = Arc<()>;
+
+        async fn route(&self, request: &Incoming<'_>) -> (Route, Option<Arc<()>>) {
+            let model = request.body.model.clone().unwrap_or_default();
+            self.routed.lock().unwrap().push(model);
+            let ticket = (!matches!(self.route, Route::Reject { .. }))
+                .then(|| Arc::clone(&self.tickets_alive));
+            (self.route.clone(), ticket)
+        }
+
+        fn complete(&self, _ticket: &mut Arc<()>, facts: ResponseFacts) {
+            self.completed.lock().unwrap().push(facts);
+        }
+    }
+
+    fn local() -> Route {
+        Route::Local(LocalRoute {
+            rule: "r".into(),
+            model: "m".into(),
+            addresses: vec!["10.0.0.1:8000".into(), "10.0.0.2:8000".into()],
+            rewrite_model: None,
+        })
+    }
+
+    fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Msg {
+        Msg::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: k.to_string(),
+                        raw_value: v.as_bytes().to_vec(),
+                        ..HeaderValue::default()
+                    })
+                    .collect(),
+            }),
+            end_of_stream,
+            ..HttpHeaders::default()
+        })
+    }
+
+    fn body(bytes: &[u8], end_of_stream: bool) -> Msg {
+        Msg::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })
+    }
+
+    fn response_headers(status: &str) -> Msg {
+        match headers(&[(":status", status)], false) {
+            Msg::RequestHeaders(h) => Msg::ResponseHeaders(h),
+            _ => unreachable!(),
+        }
+    }
+
+    fn request(msg: Msg) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(msg),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    /// Runs one session over `messages` and returns every reply.
+    async fn exchange(
+        router: &Arc<FakeRouter>,
+        streamed: bool,
+        messages: Vec<Msg>,
+    ) -> Vec<ProcessingResponse> {
+        let (tx, mut rx) = mpsc::channel(64);
+        let session = Session::new(
+            Arc::clone(router),
+            Arc::new(Metrics::default()),
+            Arc::new(ExtProcConfig::default()),
+            tx,
+        );
+        let mut requests: Vec<ProcessingRequest> = messages.into_iter().map(request).collect();
+        if streamed && let Some(first) = requests.first_mut() {
+            first.protocol_config = Some(ProtocolConfiguration {
+                request_body_mode: FULL_DUPLEX_STREAMED,
+                response_body_mode: FULL_DUPLEX_STREAMED,
+                ..ProtocolConfiguration::default()
+            });
+        }
+        let inbound = futures::stream::iter(requests.into_iter().map(Ok));
+        session.run(inbound).await;
+        let mut out = Vec::new();
+        while let Ok(reply) = rx.try_recv() {
+            out.push(reply.unwrap());
+        }
+        out
+    }
+
+    const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    const PATH: (&str, &str) = (":path", "/v1/chat/completions");
+
+    fn destination(reply: &ProcessingResponse) -> Option<String> {
+        let common = match reply.response.as_ref()? {
+            Reply::RequestHeaders(h) => h.response.as_ref()?,
+            Reply::RequestBody(b) => b.response.as_ref()?,
+            _ => return None,
+        };
+        common
+            .header_mutation
+            .as_ref()?
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == "x-gateway-destination-endpoint")
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+    }
+
+    #[tokio::test]
+    async fn buffered_request_is_routed_and_its_response_reported() {
+        let router = FakeRouter::new(local());
+        let replies = exchange(
+            &router,
+            false,
+            vec![
+                headers(&[PATH], false),
+                body(CHAT, true),
+                response_headers("200"),
+            ],
+        )
+        .await;
+        assert_eq!(*router.routed.lock().unwrap(), ["m"]);
+        // Headers continue, the body reply routes, the response continues.
+        assert_eq!(replies.len(), 3, "{replies:?}");
+        assert_eq!(destination(&replies[1]).as_deref(), Some("10.0.0.1:8000"));
+        let completed = router.completed.lock().unwrap();
+        assert_eq!(completed.len(), 1);
+        assert_eq!(completed[0].status, Some(200));
+        assert!(completed[0].at.is_some());
+        assert_eq!(router.live_tickets(), 0, "the ticket ends with the stream");
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_response_headers_completes_as_unknown() {
+        let router = FakeRouter::new(local());
+        exchange(
+            &router,
+            false,
+            vec![headers(&[PATH], false), body(CHAT, true)],
+        )
+        .await;
+        let completed = router.completed.lock().unwrap();
+        assert_eq!(*completed, [ResponseFacts::default()]);
+        assert_eq!(router.live_tickets(), 0);
+    }
+
+    #[tokio::test]
+    async fn streamed_mode_holds_the_headers_answer_until_the_body_is_whole() {
+        let router = FakeRouter::new(local());
+        let replies = exchange(
+            &router,
+            true,
+            vec![
+                headers(&[PATH], false),
+                body(&CHAT[..10], false),
+                body(&CHAT[10..], true),
+            ],
+        )
+        .await;
+        // No reply to the headers or the first chunk; then the held headers
+        // answer (with the destination) and the body back in one chunk.
+        assert_eq!(replies.len(), 2, "{replies:?}");
+        assert!(matches!(
+            replies[0].response,
+            Some(Reply::RequestHeaders(_))
+        ));
+        assert_eq!(destination(&replies[0]).as_deref(), Some("10.0.0.1:8000"));
+        assert!(matches!(replies[1].response, Some(Reply::RequestBody(_))));
+    }
+
+    #[tokio::test]
+    async fn bad_input_is_refused_without_asking_the_router() {
+        for (messages, status) in [
+            (vec![headers(&[PATH], false), body(b"{not json", true)], 400),
+            (vec![headers(&[(":path", "/v2/nope")], false)], 404),
+            (vec![headers(&[PATH], true)], 400),
+        ] {
+            let router = FakeRouter::new(local());
+            let replies = exchange(&router, false, messages).await;
+            let last = replies.last().expect("a reply");
+            match &last.response {
+                Some(Reply::ImmediateResponse(r)) => {
+                    assert_eq!(r.status.as_ref().unwrap().code, status)
+                }
+                other => panic!("expected an immediate response, got {other:?}"),
+            }
+            assert!(router.routed.lock().unwrap().is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reject_is_final_and_leaves_no_ticket() {
+        let router = FakeRouter::new(Route::Reject {
+            rule: Some("shed".into()),
+            status: 429,
+            message: "busy".into(),
+        });
+        let replies = exchange(
+            &router,
+            false,
+            vec![
+                headers(&[PATH], false),
+                body(CHAT, true),
+                response_headers("200"),
+            ],
+        )
+        .await;
+        // Headers continue, then the immediate response; nothing after it.
+        assert_eq!(replies.len(), 2, "{replies:?}");
+        assert!(matches!(
+            replies[1].response,
+            Some(Reply::ImmediateResponse(_))
+        ));
+        assert!(router.completed.lock().unwrap().is_empty());
     }
 }

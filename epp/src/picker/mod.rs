@@ -15,16 +15,20 @@ use kinference_policy::eval::{Decision, Evaluation, NoTrace, Request, Tags, eval
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
+pub use crate::extproc::router::Incoming;
 pub use candidates::CandidateSet;
 pub use providers::ProviderStates;
 pub use recent::{RecentDecisions, RecordedDecision};
 
 use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
-use crate::extproc::body::{Api, ParsedBody, estimate_tokens};
+use crate::extproc::body::estimate_tokens;
+use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
 use crate::metrics::Metrics;
 use crate::policy_store::{LoadedPolicy, PolicyStore};
-use crate::predict::{DestinationState, TtftFeatures, TtftPredictor, block_hashes};
+use crate::predict::{
+    DestinationState, InflightGuard, Outcome, TtftFeatures, TtftPredictor, block_hashes,
+};
 
 pub const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
 pub const MODEL_HEADER: &str = "x-gateway-model-name";
@@ -59,17 +63,6 @@ pub struct Picker {
     pub config: PickerConfig,
     /// API keys of providers, by provider name.
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
-}
-
-/// What the HTTP request carries, as the ext_proc stream saw it.
-pub struct Incoming<'a> {
-    /// Lower-cased names, pseudo-headers included (`:path`).
-    pub headers: &'a BTreeMap<String, String>,
-    pub path: &'a str,
-    pub api: Api,
-    pub body: &'a ParsedBody,
-    /// Restricts local endpoints to these `ip:port` (or bare IPs); `None`: all.
-    pub subset: Option<&'a [String]>,
 }
 
 /// Where the request goes.
@@ -272,6 +265,135 @@ impl Picker {
         state.stats.record_ttft(ttft, Instant::now());
         if let Some(f) = features {
             self.ttft.observe(&state.ttft, f, ttft.as_secs_f64());
+        }
+    }
+}
+
+/// What a routed request holds until its stream ends: the request counts in
+/// flight on its destination, and the response path is judged against
+/// exactly what the decision used.
+pub struct Ticket {
+    guard: InflightGuard,
+    state: Arc<DestinationState>,
+    /// The selected endpoint's `ip:port`; `None` for a provider.
+    address: Option<String>,
+    /// The TTFT prediction's inputs; `None` when there was no prediction.
+    features: Option<TtftFeatures>,
+    decided_at: Instant,
+}
+
+impl Ticket {
+    fn new(
+        state: Arc<DestinationState>,
+        address: Option<String>,
+        features: Option<TtftFeatures>,
+    ) -> Self {
+        let now = Instant::now();
+        Ticket {
+            guard: state.stats.begin(now),
+            state,
+            address,
+            features,
+            decided_at: now,
+        }
+    }
+}
+
+impl Router for Picker {
+    type Ticket = Ticket;
+
+    async fn route(&self, request: &Incoming<'_>) -> (Route, Option<Ticket>) {
+        match self.pick(request).await {
+            Pick::Reject {
+                rule,
+                status,
+                message,
+            } => (
+                Route::Reject {
+                    rule,
+                    status,
+                    message,
+                },
+                None,
+            ),
+            Pick::Local(local) => {
+                let ticket = Ticket::new(
+                    Arc::clone(&local.state),
+                    local.addresses.first().cloned(),
+                    local.features,
+                );
+                // Indexing a long prompt costs a few hundred microseconds:
+                // done beside the reply, not before it.
+                let (state, hashes) = (local.state, local.prefix_hashes);
+                tokio::spawn(async move { state.prefix.record(&hashes) });
+                let route = Route::Local(LocalRoute {
+                    rule: local.rule,
+                    model: local.model,
+                    addresses: local.addresses,
+                    rewrite_model: local.rewrite_model,
+                });
+                (route, Some(ticket))
+            }
+            Pick::Provider(p) => {
+                let api_key = match p.credential {
+                    ProviderCredential::Key(key) => Some(key),
+                    ProviderCredential::NotRequired => None,
+                    // Fail closed: without its key the request would go out
+                    // unauthenticated, or worse with the client's own token.
+                    ProviderCredential::Missing { secret } => {
+                        tracing::warn!(provider = %p.provider, %secret, "provider picked but its API key is not loaded");
+                        self.metrics.bad_request("provider_key_missing");
+                        let message = format!(
+                            "provider {:?} has no API key loaded (Secret {secret:?})",
+                            p.provider
+                        );
+                        let route = Route::Reject {
+                            rule: Some(p.rule),
+                            status: 503,
+                            message,
+                        };
+                        return (route, None);
+                    }
+                };
+                let ticket = Ticket::new(p.state, None, None);
+                let route = Route::Provider(ProviderRoute {
+                    rule: p.rule,
+                    provider: p.provider,
+                    model: p.model,
+                    rewrite_model: p.rewrite_model,
+                    api_key,
+                });
+                (route, Some(ticket))
+            }
+        }
+    }
+
+    fn complete(&self, ticket: &mut Ticket, facts: ResponseFacts) {
+        // No response headers: neither a success nor a failure.
+        let Some(status) = facts.status else { return };
+        let now = facts.at.unwrap_or_else(Instant::now);
+        let ttft = facts
+            .reported_ttft
+            .unwrap_or_else(|| now.saturating_duration_since(ticket.decided_at));
+        if status >= 500 || status == 429 {
+            ticket.guard.record(Outcome::Failure, now);
+            return;
+        }
+        match (ticket.address.as_deref(), facts.served.as_deref()) {
+            // The gateway went down the fallback list: the selected endpoint
+            // failed and another answered. Credit that one with the success
+            // and its TTFT; the model is calibrated only on the predicted one.
+            (Some(picked), Some(served)) if picked != served => {
+                if let Some(actual) = self.registry.state_at(served) {
+                    self.observe_ttft(&actual, None, ttft);
+                    actual.stats.record_outcome(Outcome::Success, now);
+                }
+                ticket.guard.record(Outcome::Failure, now);
+            }
+            _ => {
+                self.observe_ttft(&ticket.state, ticket.features.as_ref(), ttft);
+                ticket.guard.record(Outcome::Success, now);
+            }
         }
     }
 }

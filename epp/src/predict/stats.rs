@@ -383,6 +383,16 @@ impl InflightGuard {
         lock(&self.dest.inner).record_ttft(&self.dest.cfg, ttft, now);
     }
 
+    /// Records the outcome now; the request stays in flight until the guard
+    /// is dropped (a streamed answer goes on after its first byte). Only the
+    /// first outcome counts.
+    pub fn record(&mut self, outcome: Outcome, now: Instant) {
+        if !self.finished {
+            self.finished = true;
+            lock(&self.dest.inner).record_outcome(&self.dest.cfg, outcome, now);
+        }
+    }
+
     /// Records the outcome and ends the request. Dropping the guard without
     /// calling this records no outcome (a client abort says nothing about the
     /// destination) and frees the probe slot if this was the probe.

@@ -1,0 +1,87 @@
+//! What the ext_proc session needs from the decision side, declared here by
+//! its consumer: two calls per request. `route` decides where the request
+//! goes and hands back a ticket; `complete` reports what the response path
+//! showed. The session keeps the ticket until the stream ends (dropping it
+//! ends the request's time in flight), so it never sees how decisions are
+//! made or what is learnt from them.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Instant;
+
+use super::body::{Api, ParsedBody};
+
+/// What the HTTP request carries, as the ext_proc stream saw it.
+pub struct Incoming<'a> {
+    /// Lower-cased names, pseudo-headers included (`:path`).
+    pub headers: &'a BTreeMap<String, String>,
+    pub path: &'a str,
+    pub api: Api,
+    pub body: &'a ParsedBody,
+    /// Restricts local endpoints to these `ip:port` (or bare IPs); `None`: all.
+    pub subset: Option<&'a [String]>,
+}
+
+/// The decision, as the session turns it into an Envoy reply
+/// ([`super::reply::answer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    Local(LocalRoute),
+    Provider(ProviderRoute),
+    Reject {
+        rule: Option<String>,
+        status: u16,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRoute {
+    pub rule: String,
+    pub model: String,
+    /// The selected endpoint first, then the fallbacks (all `ip:port`).
+    pub addresses: Vec<String>,
+    /// Set when the body's model must change.
+    pub rewrite_model: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderRoute {
+    pub rule: String,
+    pub provider: String,
+    pub model: String,
+    /// The provider's name for the model, when it differs from the request's.
+    pub rewrite_model: Option<String>,
+    /// `Bearer` key to send; `None` when the provider needs none. A provider
+    /// that needs a key the EPP does not hold is a [`Route::Reject`].
+    pub api_key: Option<String>,
+}
+
+/// What the response path showed, reported once per routed request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseFacts {
+    /// `None`: the stream ended without response headers (the gateway skips
+    /// them, or the client went away), so the outcome is unknown.
+    pub status: Option<u16>,
+    /// `envoy.lb` `x-gateway-destination-endpoint-served`, when reported.
+    pub served: Option<String>,
+    /// When the response headers arrived (the first byte, as the EPP sees it).
+    pub at: Option<Instant>,
+    /// A first-byte time the gateway or server measured itself, if reported.
+    pub reported_ttft: Option<std::time::Duration>,
+}
+
+pub trait Router: Send + Sync + 'static {
+    /// Held by the session from `route` to the end of the stream.
+    type Ticket: Send + Sync + 'static;
+
+    /// Decides one request. A routed request comes with a ticket.
+    fn route(
+        &self,
+        request: &Incoming<'_>,
+    ) -> impl Future<Output = (Route, Option<Self::Ticket>)> + Send;
+
+    /// The response path of a routed request: called once, when response
+    /// headers arrive or, without them, when the stream ends.
+    fn complete(&self, ticket: &mut Self::Ticket, facts: ResponseFacts);
+}
