@@ -17,6 +17,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tonic::Status;
+use tracing::{Instrument, Span};
 
 use super::body::{self, Api, path_only};
 use super::reply;
@@ -73,7 +74,21 @@ impl<R: Router> Session<R> {
         }
     }
 
-    pub async fn run(
+    /// Serves the stream inside one span, `ext_proc`, that ends up carrying
+    /// the request id, the rule, the destination and the outcome (never the
+    /// prompt, the path's query or header values).
+    pub async fn run(self, inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin) {
+        let span = tracing::info_span!(
+            "ext_proc",
+            request_id = tracing::field::Empty,
+            rule = tracing::field::Empty,
+            destination = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        self.serve(inbound).instrument(span).await
+    }
+
+    async fn serve(
         mut self,
         mut inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin,
     ) {
@@ -97,6 +112,7 @@ impl<R: Router> Session<R> {
         if let Some(mut routed) = self.routed.take()
             && !routed.completed
         {
+            Span::current().record("outcome", "unknown");
             self.router
                 .complete(&mut routed.ticket, ResponseFacts::default());
         }
@@ -143,6 +159,7 @@ impl<R: Router> Session<R> {
     ) -> bool {
         self.headers = header_map(headers);
         self.path = self.headers.get(":path").cloned().unwrap_or_default();
+        Span::current().record("request_id", request_id(&self.headers).as_str());
         if self.config.conformance_hooks
             && let Some(ips) = self.headers.get(TEST_SELECTION_HEADER)
         {
@@ -235,6 +252,7 @@ impl<R: Router> Session<R> {
                 subset: self.subset.as_deref(),
             })
             .await;
+        record_route(&route);
         self.routed = ticket.map(|ticket| Routed {
             ticket,
             completed: false,
@@ -275,6 +293,7 @@ impl<R: Router> Session<R> {
             && !routed.completed
         {
             routed.completed = true;
+            Span::current().record("outcome", status);
             let facts = ResponseFacts {
                 status: Some(status),
                 served: served.clone(),
@@ -336,6 +355,7 @@ impl<R: Router> Session<R> {
     /// Refuses before routing; ends the stream.
     async fn refuse(&mut self, status: u16, kind: &str, reason: &str, message: &str) -> bool {
         self.done = true;
+        Span::current().record("outcome", reason);
         self.metrics.bad_request(reason);
         let _ = self
             .send(reply::immediate_error(status, kind, message))
@@ -345,6 +365,46 @@ impl<R: Router> Session<R> {
 
     async fn send(&self, msg: ProcessingResponse) -> bool {
         self.tx.send(Ok(msg)).await.is_ok()
+    }
+}
+
+/// The gateway's `x-request-id` (at most 128 bytes of it), or a fresh one.
+fn request_id(headers: &BTreeMap<String, String>) -> String {
+    match headers.get("x-request-id") {
+        Some(id) if !id.is_empty() => {
+            let mut end = id.len().min(128);
+            while !id.is_char_boundary(end) {
+                end -= 1;
+            }
+            id[..end].to_string()
+        }
+        _ => format!("kinference-{:016x}", rand::random::<u64>()),
+    }
+}
+
+/// Rule, destination and, for a reject, the outcome on the stream's span.
+fn record_route(route: &Route) {
+    let span = Span::current();
+    match route {
+        Route::Local(local) => {
+            span.record("rule", local.rule.as_str());
+            if let Some(primary) = local.addresses.first() {
+                span.record("destination", primary.as_str());
+            }
+        }
+        Route::Provider(provider) => {
+            span.record("rule", provider.rule.as_str());
+            span.record(
+                "destination",
+                format!("provider/{}", provider.provider).as_str(),
+            );
+        }
+        Route::Reject { rule, status, .. } => {
+            if let Some(rule) = rule {
+                span.record("rule", rule.as_str());
+            }
+            span.record("outcome", format!("rejected {status}").as_str());
+        }
     }
 }
 
@@ -665,5 +725,65 @@ mod tests {
             Some(Reply::ImmediateResponse(_))
         ));
         assert!(router.completed.lock().unwrap().is_empty());
+    }
+
+    /// Captures formatted logs, for the span test.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn one_span_per_stream_carries_id_rule_destination_and_outcome() {
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let router = FakeRouter::new(local());
+            runtime.block_on(exchange(
+                &router,
+                false,
+                vec![
+                    headers(
+                        &[
+                            PATH,
+                            ("x-request-id", "req-42"),
+                            ("authorization", "Bearer sk-secret"),
+                        ],
+                        false,
+                    ),
+                    body(
+                        br#"{"model":"m","messages":[{"role":"user","content":"prompt-marker-77"}]}"#,
+                        true,
+                    ),
+                    response_headers("200"),
+                ],
+            ));
+        });
+        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let closed: Vec<&str> = text.lines().filter(|l| l.contains("ext_proc")).collect();
+        assert_eq!(closed.len(), 1, "{text}");
+        for expected in ["req-42", "rule=", "10.0.0.1:8000", "outcome=200"] {
+            assert!(closed[0].contains(expected), "{expected} missing: {text}");
+        }
+        assert!(
+            !text.contains("sk-secret") && !text.contains("hi"),
+            "{text}"
+        );
     }
 }
