@@ -1,63 +1,20 @@
 //! The policy the EPP serves: swapped atomically, never replaced by one that
 //! fails to compile (the last good policy keeps serving).
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
-use kinference_policy::attr::{CandidateAttr, RequestAttr};
-use kinference_policy::model::Conjunction;
 use kinference_policy::{CompiledPolicy, PolicySpec, compile};
 use tokio::sync::watch;
 
-/// A compiled policy plus facts the request path wants precomputed.
+/// A compiled policy as the EPP serves it.
 pub struct LoadedPolicy {
     pub compiled: CompiledPolicy,
-    /// Request headers the policy reads (`header.<name>`).
-    pub header_names: BTreeSet<String>,
-    /// Whether any predicate reads `label.<key>`: copying Pod labels into
-    /// every candidate is skipped when none does.
-    pub uses_labels: bool,
 }
 
 impl LoadedPolicy {
     pub fn new(compiled: CompiledPolicy) -> Self {
-        let mut header_names = BTreeSet::new();
-        let mut uses_labels = false;
-        let mut request = |entries: &[Conjunction<RequestAttr>]| {
-            for p in entries.iter().flatten() {
-                if let RequestAttr::Header(h) = &p.attr {
-                    header_names.insert(h.clone());
-                }
-            }
-        };
-        let mut candidate = |entries: &[Conjunction<CandidateAttr>]| {
-            uses_labels |= entries
-                .iter()
-                .flatten()
-                .any(|p| matches!(p.attr, CandidateAttr::Label(_)));
-        };
-        for rule in &compiled.rules {
-            if let Some(m) = &rule.matches {
-                request(m);
-            }
-            for ex in &rule.route.exclude {
-                if let Some(w) = &ex.when {
-                    request(w);
-                }
-                candidate(&ex.drop);
-            }
-            for tier in &rule.route.select {
-                if let Some(w) = &tier.when {
-                    candidate(w);
-                }
-            }
-        }
-        LoadedPolicy {
-            compiled,
-            header_names,
-            uses_labels,
-        }
+        LoadedPolicy { compiled }
     }
 }
 

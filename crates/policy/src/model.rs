@@ -2,7 +2,7 @@
 //! and duration parsed. Only `crate::compile` builds these, so holding one
 //! means the policy is valid.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use regex::Regex;
@@ -21,9 +21,60 @@ pub struct CompiledPolicy {
     pub providers: Vec<Provider>,
     pub classifiers: Vec<Classifier>,
     pub rules: Vec<Rule>,
+    /// What the rules read beyond the fixed attributes.
+    pub reads: Reads,
     /// The validated source, kept so the policy can be shipped (ConfigMap) and
     /// compiled again by the EPP with this same library.
     pub source: PolicySpec,
+}
+
+/// What a policy reads from a request and its candidates beyond the fixed
+/// attributes, so the request path copies only that (and no header a policy
+/// does not read can end up in a decision record).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reads {
+    /// Request headers read as `header.<name>` (lower case).
+    pub headers: BTreeSet<String>,
+    /// Whether any predicate reads a candidate's `label.<key>`.
+    pub labels: bool,
+}
+
+impl Reads {
+    pub(crate) fn of(rules: &[Rule]) -> Reads {
+        let mut reads = Reads::default();
+        let mut request = |entries: &[Conjunction<RequestAttr>]| {
+            for p in entries.iter().flatten() {
+                if let RequestAttr::Header(h) = &p.attr {
+                    reads.headers.insert(h.clone());
+                }
+            }
+        };
+        let mut labels = false;
+        let mut candidate = |entries: &[Conjunction<CandidateAttr>]| {
+            labels |= entries
+                .iter()
+                .flatten()
+                .any(|p| matches!(p.attr, CandidateAttr::Label(_)));
+        };
+        for rule in rules {
+            if let Some(m) = &rule.matches {
+                request(m);
+            }
+            for ex in &rule.route.exclude {
+                if let Some(w) = &ex.when {
+                    request(w);
+                }
+                candidate(&ex.drop);
+            }
+            for tier in &rule.route.select {
+                if let Some(w) = &tier.when {
+                    candidate(w);
+                }
+            }
+        }
+        reads.labels = labels;
+        reads
+    }
 }
 
 impl CompiledPolicy {
@@ -305,4 +356,38 @@ pub enum Operand {
     Const(f64),
     /// `{ request: promptTokens }`: compare with a request attribute.
     Request(RequestAttr),
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::source::compile_text;
+
+    #[test]
+    fn the_compiler_says_which_headers_and_labels_a_policy_reads() {
+        let policy = compile_text(
+            "pool: { selector: { app: m }, targetPorts: [{ number: 8000 }] }
+rules:
+  - name: by-header
+    matches: [{ header.x-team: red }]
+    route:
+      exclude: [{ if: { header.X-Plan: free }, drop: { label.gpu: a10 } }]
+      select: [{ minimize: QueueDepth }]
+  - name: rest
+    route: { select: [{ minimize: QueueDepth }] }
+",
+        )
+        .unwrap();
+        let headers: Vec<&str> = policy.reads.headers.iter().map(String::as_str).collect();
+        assert_eq!(headers, ["x-plan", "x-team"]);
+        assert!(policy.reads.labels);
+        let plain = compile_text(
+            "pool: { selector: { app: m }, targetPorts: [{ number: 8000 }] }
+rules:
+  - name: rest
+    route: { select: [{ minimize: QueueDepth }] }
+",
+        )
+        .unwrap();
+        assert!(plain.reads.headers.is_empty() && !plain.reads.labels);
+    }
 }

@@ -79,7 +79,7 @@ impl CandidateSet {
                     provider_name: None,
                     zone: ep.zone.clone(),
                     node: ep.node.clone(),
-                    labels: if policy.uses_labels {
+                    labels: if compiled.reads.labels {
                         ep.labels.clone()
                     } else {
                         Default::default()

@@ -233,7 +233,9 @@ impl Picker {
         // Only headers the policy reads are kept: less copying, and no
         // credentials end up in /debug/explain.
         let headers = policy
-            .header_names
+            .compiled
+            .reads
+            .headers
             .iter()
             .filter_map(|h| incoming.headers.get(h).map(|v| (h.clone(), v.clone())))
             .collect();

@@ -15,8 +15,7 @@ use crate::error::{Error, Verb};
 use crate::resources::Names;
 use crate::status::{EppReport, RefReport};
 
-/// Default key of a provider's `secretRef` (see `kinference_policy::spec`).
-const DEFAULT_SECRET_KEY: &str = "apiKey";
+use kinference_policy::spec::DEFAULT_SECRET_KEY;
 
 /// Which provider Secrets (with their key) and Gateway parentRefs are
 /// missing. Works from the raw spec, so it is reported even while the

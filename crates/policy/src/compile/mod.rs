@@ -58,6 +58,7 @@ pub fn compile(spec: &PolicySpec) -> Result<CompiledPolicy, CompileErrors> {
         route: spec.route.clone().unwrap_or_default(),
         providers,
         classifiers,
+        reads: crate::model::Reads::of(&rules),
         rules,
         source: spec.clone(),
     })
