@@ -134,15 +134,4 @@ mod tests {
         assert!(store.load_json("{not json").is_err());
         assert_eq!(store.loaded_hash(), Some(hash));
     }
-
-    #[test]
-    fn notices_header_and_label_use() {
-        let store = PolicyStore::default();
-        store
-            .load_text("pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: r\n    matches: [{ header.X-Team: a }]\n    route:\n      exclude: [{ drop: { label.gpu: a10 } }]\n      select: [{ minimize: QueueDepth }]\n")
-            .unwrap();
-        let p = store.current().unwrap();
-        assert!(p.uses_labels);
-        assert_eq!(p.header_names.iter().collect::<Vec<_>>(), ["x-team"]);
-    }
 }
