@@ -241,21 +241,27 @@ fn render(template: &str, scalars: &[(&str, String)], blocks: &[(&str, Vec<Strin
 mod tests {
     use super::*;
 
+    const ALL: [Template; 4] = [
+        Template::Streamed,
+        Template::Buffered,
+        Template::Fallback,
+        Template::Static,
+    ];
+
+    /// `template` with every optional block filled.
+    fn full(template: Template) -> Bootstrap {
+        Bootstrap {
+            pool: vec!["127.0.0.1:8000".parse().unwrap()],
+            providers: vec![("cloud".into(), "127.0.0.1:9000".parse().unwrap())],
+            subset_hint: Some(vec!["127.0.0.1:8000".into()]),
+            ..Bootstrap::new(template, "127.0.0.1:9002".parse().unwrap())
+        }
+    }
+
     #[test]
     fn every_placeholder_is_filled() {
-        for template in [
-            Template::Streamed,
-            Template::Buffered,
-            Template::Fallback,
-            Template::Static,
-        ] {
-            let b = Bootstrap {
-                pool: vec!["127.0.0.1:8000".parse().unwrap()],
-                providers: vec![("cloud".into(), "127.0.0.1:9000".parse().unwrap())],
-                subset_hint: Some(vec!["127.0.0.1:8000".into()]),
-                ..Bootstrap::new(template, "127.0.0.1:9002".parse().unwrap())
-            };
-            let text = b.render(Path::new("/tmp/access.log"));
+        for template in ALL {
+            let text = full(template).render(Path::new("/tmp/access.log"));
             assert!(
                 !text.contains("${"),
                 "{template:?} left a placeholder:\n{text}"
@@ -272,11 +278,6 @@ mod tests {
         );
         assert_eq!(out, "a:\n  - one\n  - two\nb: 1\n");
     }
-}
-
-#[cfg(test)]
-mod validate {
-    use super::*;
 
     /// Every template, with every optional block filled, is a configuration
     /// the pinned Envoy accepts (`envoy --mode validate`).
@@ -284,20 +285,10 @@ mod validate {
     fn the_pinned_envoy_accepts_every_template() {
         let envoy = crate::envoy::ensure_envoy().expect("Envoy is installed");
         let dir = tempfile::tempdir().unwrap();
-        for template in [
-            Template::Streamed,
-            Template::Buffered,
-            Template::Fallback,
-            Template::Static,
-        ] {
-            let b = Bootstrap {
-                pool: vec!["127.0.0.1:8000".parse().unwrap()],
-                providers: vec![("cloud".into(), "127.0.0.1:9000".parse().unwrap())],
-                subset_hint: Some(vec!["127.0.0.1:8000".into()]),
-                ..Bootstrap::new(template, "127.0.0.1:9002".parse().unwrap())
-            };
+        for template in ALL {
             let path = dir.path().join("envoy.yaml");
-            std::fs::write(&path, b.render(&dir.path().join("access.log"))).unwrap();
+            let text = full(template).render(&dir.path().join("access.log"));
+            std::fs::write(&path, text).unwrap();
             let out = std::process::Command::new(&envoy)
                 .args(["--mode", "validate", "--disable-hot-restart", "-c"])
                 .arg(&path)
