@@ -12,6 +12,7 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::endpoints::run_pod_discovery;
 use crate::provider_keys::{SecretCache, SharedSecretCache, current_key_refs, secret_names};
@@ -50,16 +51,10 @@ pub async fn watch_policy_configmap(epp: Epp, client: Client, namespace: String,
 /// the supervisor marks the EPP not ready and starts it again: a frozen
 /// endpoint list must not look healthy.
 pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
-    /// The discovery task, aborted when replaced or when this returns.
-    struct Discovery(tokio::task::JoinHandle<()>);
-    impl Drop for Discovery {
-        fn drop(&mut self) {
-            self.0.abort();
-        }
-    }
     let mut changes = epp.policy().subscribe();
     let mut current: Option<(BTreeMap<String, String>, Vec<u16>)> = None;
-    let mut task: Option<Discovery> = None;
+    // The discovery task, aborted when replaced or when this returns.
+    let mut task: Option<AbortOnDropHandle<()>> = None;
     loop {
         let wanted = epp.policy().current().and_then(|p| {
             let pool = &p.compiled.pool;
@@ -70,7 +65,7 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
             task = wanted.clone().map(|(selector, ports)| {
                 let (client, ns, registry) =
                     (client.clone(), namespace.clone(), epp.registry().clone());
-                Discovery(tokio::spawn(async move {
+                AbortOnDropHandle::new(tokio::spawn(async move {
                     if let Err(error) =
                         run_pod_discovery(client, ns, selector, ports, registry).await
                     {
@@ -83,7 +78,7 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
         let ended = async {
             match task.as_mut() {
                 Some(t) => {
-                    let _ = (&mut t.0).await;
+                    let _ = t.await;
                 }
                 None => std::future::pending().await,
             }
@@ -107,17 +102,11 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
 /// then have to hold on every Secret of the cluster to grant them). A Secret
 /// created, rotated or deleted later is seen within that interval.
 pub async fn watch_provider_secrets(epp: Epp, client: Client, namespace: String) {
-    /// Aborting this task (or its ending) stops the readers it started.
-    struct AbortOnDrop(tokio::task::JoinHandle<()>);
-    impl Drop for AbortOnDrop {
-        fn drop(&mut self) {
-            self.0.abort();
-        }
-    }
     let api: Api<Secret> = Api::namespaced(client, &namespace);
     let cache = SharedSecretCache::default();
     let mut changes = epp.policy().subscribe();
-    let mut readers: BTreeMap<String, AbortOnDrop> = BTreeMap::new();
+    // Aborted when dropped: this task's end stops the readers it started.
+    let mut readers: BTreeMap<String, AbortOnDropHandle<()>> = BTreeMap::new();
     loop {
         let wanted = secret_names(&current_key_refs(&epp));
         readers.retain(|name, _| wanted.contains(name));
@@ -127,7 +116,7 @@ pub async fn watch_provider_secrets(epp: Epp, client: Client, namespace: String)
         }
         for name in wanted {
             readers.entry(name).or_insert_with_key(|name| {
-                AbortOnDrop(tokio::spawn(read_secret(
+                AbortOnDropHandle::new(tokio::spawn(read_secret(
                     epp.clone(),
                     api.clone(),
                     name.clone(),

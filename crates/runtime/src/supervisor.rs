@@ -18,13 +18,10 @@ use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
-use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 
 /// What keeps a process from being ready besides its own conditions: named
@@ -116,7 +113,7 @@ impl TaskExit for () {
     }
 }
 
-/// Also covers a [`JoinHandle`]'s (and an [`AbortOnDrop`]'s) result, for
+/// Also covers a `JoinHandle`'s (and an [`AbortOnDrop`]'s) result, for
 /// factories that spawn their task themselves.
 impl<T, E: Display> TaskExit for Result<T, E> {
     fn into_error(self) -> Option<String> {
@@ -124,30 +121,9 @@ impl<T, E: Display> TaskExit for Result<T, E> {
     }
 }
 
-/// A [`JoinHandle`] that aborts its task when dropped, so a task spawned by
+/// A `JoinHandle` that aborts its task when dropped, so a task spawned by
 /// a factory stops with its supervisor. Resolves to the task's result.
-#[derive(Debug)]
-pub struct AbortOnDrop<T>(JoinHandle<T>);
-
-impl<T> AbortOnDrop<T> {
-    pub fn new(handle: JoinHandle<T>) -> Self {
-        AbortOnDrop(handle)
-    }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-impl<T> Future for AbortOnDrop<T> {
-    type Output = Result<T, JoinError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.0).poll(cx)
-    }
-}
+pub use tokio_util::task::AbortOnDropHandle as AbortOnDrop;
 
 /// Runs named background tasks, restarting each one that stops (see the
 /// module docs). Dropping it stops them all.

@@ -37,7 +37,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use serde::Deserialize;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use super::registry::{Endpoint, EndpointRegistry};
@@ -323,7 +323,7 @@ struct Tracked {
     /// The endpoint as last handed to the registry (models filled in).
     endpoint: Endpoint,
     /// Running `/v1/models` poller, for Pods without the models label.
-    poller: Option<AbortOnDrop>,
+    poller: Option<AbortOnDropHandle<()>>,
 }
 
 struct DiscoveryState {
@@ -533,7 +533,7 @@ impl DiscoveryState {
         ));
         Tracked {
             endpoint: ep,
-            poller: Some(AbortOnDrop(poller)),
+            poller: Some(AbortOnDropHandle::new(poller)),
         }
     }
 
@@ -550,15 +550,6 @@ impl DiscoveryState {
             t.endpoint.models = found.models;
             self.registry.upsert(t.endpoint.clone());
         }
-    }
-}
-
-/// Aborts the task when dropped.
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
