@@ -53,7 +53,10 @@ impl CandidateSet {
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do
             // not show yet: without them a burst ties every endpoint at the
-            // same stale values and lands on the first.
+            // same stale values and lands on the first. For the TTFT
+            // prediction they count as running, not queued: a server with
+            // free batch slots starts them at once, and pricing each as a
+            // full queue wait pushed requests away from their cached prefix.
             let unscraped = state.stats.unscraped() as f64;
             let load = view.metrics.as_ref().map(|m| {
                 (
@@ -62,8 +65,9 @@ impl CandidateSet {
                     m.kv_cache_usage,
                 )
             });
-            let features = load.map(|(waiting, running, kv)| {
-                TtftFeatures::new(waiting, running, prompt, cached, kv)
+            let features = view.metrics.as_ref().map(|m| {
+                let running = m.running + unscraped;
+                TtftFeatures::new(m.waiting, running, prompt, cached, m.kv_cache_usage)
             });
             let predicted = features
                 .as_ref()
