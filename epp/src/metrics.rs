@@ -1,6 +1,6 @@
 //! Prometheus metrics of the EPP (served on `/metrics`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -11,6 +11,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::endpoints::EndpointRegistry;
+use crate::endpoints::ScrapeStats;
 use crate::picker::Pick;
 
 type Labels = Vec<(String, String)>;
@@ -29,6 +30,7 @@ pub struct Metrics {
     endpoint_kv: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     endpoint_stale: Family<Labels, Gauge>,
     policy_info: Family<Labels, Gauge>,
+    scrape: Arc<ScrapeStats>,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
@@ -54,6 +56,7 @@ impl Default for Metrics {
         let endpoint_kv = Family::default();
         let endpoint_stale = Family::<Labels, Gauge>::default();
         let policy_info = Family::<Labels, Gauge>::default();
+        let scrape = Arc::new(ScrapeStats::default());
         let mut r = Registry::with_prefix("kinference_epp");
         r.register(
             "decisions",
@@ -115,6 +118,8 @@ impl Default for Metrics {
             "The loaded policy (hash label)",
             policy_info.clone(),
         );
+        // kinference_epp_scrape_attempts_total, _scrape_failures_total{reason}
+        scrape.register(&mut r);
         Metrics {
             registry: Mutex::new(r),
             decisions,
@@ -129,11 +134,18 @@ impl Default for Metrics {
             endpoint_kv,
             endpoint_stale,
             policy_info,
+            scrape,
         }
     }
 }
 
 impl Metrics {
+    /// The scrape counters rendered here; hand them to
+    /// [`crate::endpoints::spawn_scraper_with_stats`].
+    pub fn scrape_stats(&self) -> Arc<ScrapeStats> {
+        Arc::clone(&self.scrape)
+    }
+
     pub fn observe_decision(&self, pick: &Pick, took: Duration) {
         self.decision_seconds.observe(took.as_secs_f64());
         let (rule, outcome) = match pick {

@@ -21,7 +21,7 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-use crate::endpoints::{EndpointRegistry, default_staleness, spawn_scraper};
+use crate::endpoints::{EndpointRegistry, default_staleness, spawn_scraper_with_stats};
 use crate::extproc::{ExtProcConfig, ExtProcService};
 use crate::metrics::Metrics;
 use crate::picker::{Picker, PickerConfig};
@@ -160,10 +160,12 @@ impl Epp {
 
     /// Scrapes every endpoint's metrics until the handle is aborted.
     pub fn spawn_scraper(&self) -> tokio::task::JoinHandle<()> {
-        spawn_scraper(
+        // Attempts and failures by reason reach /metrics.
+        spawn_scraper_with_stats(
             self.registry().clone(),
             self.settings.scrape_interval,
             self.settings.scrape_timeout,
+            self.picker.metrics.scrape_stats(),
         )
     }
 

@@ -17,6 +17,14 @@
 //! {"utf8.name",label="v"} value             (Prometheus 3 quoted names)
 //! name{...} value timestamp # {trace_id="x"} 1.0   (OpenMetrics exemplar, ignored)
 //! ```
+//!
+//! Why not a crate: `prometheus-parse` matches metric names with `\w+`, so it
+//! reads none of vLLM's or SGLang's `vllm:`/`sglang:` series, splits label
+//! sets on every comma (LoRA adapter lists) and keeps escapes; on pages it can
+//! read it is about 10x slower (`cargo bench -p kinference-epp --bench prom`).
+//! `tests/prom_corpus.rs` holds this parser to a corpus of real engine pages,
+//! to that crate where it can read them, and to a plain reference parser on
+//! random and mutated input.
 
 use std::borrow::Cow;
 use std::fmt;
