@@ -14,6 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
+use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -99,8 +100,19 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        Ok(Response::new(self.open(request.into_inner())))
+    }
+}
+
+impl<R: Router> ExtProcService<R> {
+    /// Starts one session over `inbound` and returns its replies: what
+    /// [`ExternalProcessor::process`] does for a gRPC stream, callable
+    /// without one (fuzzing, in-process drivers).
+    pub fn open(
+        &self,
+        inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Send + Unpin + 'static,
+    ) -> ReceiverStream<Result<ProcessingResponse, Status>> {
         let (tx, rx) = mpsc::channel(32);
-        let inbound = request.into_inner();
         // Each stream is its own task: a slow or broken one never holds up others.
         let session = session::Session::new(
             self.router.clone(),
@@ -109,6 +121,6 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
             tx,
         );
         tokio::spawn(session.run(inbound));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        ReceiverStream::new(rx)
     }
 }
