@@ -3,8 +3,10 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
+use kinference_policy::duration::parse_duration;
 use kinference_runtime::{LogArgs, LogFormat};
 
 #[derive(Parser, Debug)]
@@ -49,6 +51,16 @@ pub struct Args {
     /// Larger request bodies are refused with 413.
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Request-body bytes buffered across all streams at once; a body that
+    /// would take more is answered 503 straight away. Keep it well under the
+    /// container's memory limit.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub max_buffered_body_bytes: usize,
+    /// A stream that sends nothing for this long before its request is
+    /// decided is answered 408 and closed (e.g. `30s`, `2m`). Waiting for the
+    /// model server's response is not limited.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub stream_idle_timeout: Duration,
     /// Honour the Gateway API Inference Extension conformance suite's test
     /// header and echo the served endpoint. Never enable in production.
     #[arg(long, default_value_t = false)]

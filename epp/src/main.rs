@@ -31,6 +31,8 @@ async fn main() -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             conformance_hooks: args.enable_conformance_hooks,
             fallbacks: args.fallback_endpoints,
+            idle_timeout: args.stream_idle_timeout,
+            body_budget_bytes: args.max_buffered_body_bytes,
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         secure_serving: args.secure_serving,

@@ -30,6 +30,9 @@ pub struct Metrics {
     endpoint_kv: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     endpoint_stale: Family<Labels, Gauge>,
     policy_info: Family<Labels, Gauge>,
+    streams_open: Gauge,
+    buffered_body_bytes: Gauge,
+    stream_refusals: Family<Labels, Counter>,
     scrape: Arc<ScrapeStats>,
 }
 
@@ -56,6 +59,9 @@ impl Default for Metrics {
         let endpoint_kv = Family::default();
         let endpoint_stale = Family::<Labels, Gauge>::default();
         let policy_info = Family::<Labels, Gauge>::default();
+        let streams_open = Gauge::default();
+        let buffered_body_bytes = Gauge::default();
+        let stream_refusals = Family::<Labels, Counter>::default();
         let scrape = Arc::new(ScrapeStats::default());
         let mut r = Registry::with_prefix("kinference_epp");
         r.register(
@@ -118,6 +124,21 @@ impl Default for Metrics {
             "The loaded policy (hash label)",
             policy_info.clone(),
         );
+        r.register(
+            "streams_open",
+            "ext_proc streams open now",
+            streams_open.clone(),
+        );
+        r.register(
+            "buffered_body_bytes",
+            "Request-body bytes buffered across all streams",
+            buffered_body_bytes.clone(),
+        );
+        r.register(
+            "stream_refusals",
+            "Streams answered before routing to protect the EPP, by reason (body_budget, idle_timeout)",
+            stream_refusals.clone(),
+        );
         // kinference_epp_scrape_attempts_total, _scrape_failures_total{reason}
         scrape.register(&mut r);
         Metrics {
@@ -134,6 +155,9 @@ impl Default for Metrics {
             endpoint_kv,
             endpoint_stale,
             policy_info,
+            streams_open,
+            buffered_body_bytes,
+            stream_refusals,
             scrape,
         }
     }
@@ -178,6 +202,22 @@ impl Metrics {
         if failed {
             self.classifier_failures.get_or_create(&l).inc();
         }
+    }
+
+    /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].
+    pub fn streams_open(&self) -> &Gauge {
+        &self.streams_open
+    }
+
+    /// The gauge [`crate::extproc::limits::BodyBudget`] counts in.
+    pub fn buffered_body_bytes(&self) -> Gauge {
+        self.buffered_body_bytes.clone()
+    }
+
+    pub fn stream_refused(&self, reason: &str) {
+        self.stream_refusals
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc();
     }
 
     pub fn bad_request(&self, reason: &str) {

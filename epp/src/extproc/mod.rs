@@ -3,11 +3,13 @@
 //! Endpoint Picker Protocol expects.
 
 pub mod body;
+pub mod limits;
 pub mod reply;
 pub mod router;
 mod session;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
@@ -19,6 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Metrics;
+use limits::BodyBudget;
 pub use router::Router;
 
 /// GIE protocol names.
@@ -47,6 +50,12 @@ pub struct ExtProcConfig {
     /// How many fallback endpoints follow the primary in the `envoy.lb`
     /// metadata list. 0 makes the metadata equal the header (one endpoint).
     pub fallbacks: usize,
+    /// A stream that sends nothing for this long before its request is
+    /// decided is answered 408 and closed.
+    pub idle_timeout: Duration,
+    /// Request-body bytes buffered across all streams; a body that would
+    /// take more is answered 503 at once.
+    pub body_budget_bytes: usize,
 }
 
 impl Default for ExtProcConfig {
@@ -55,6 +64,8 @@ impl Default for ExtProcConfig {
             max_body_bytes: 16 * 1024 * 1024,
             conformance_hooks: false,
             fallbacks: 3,
+            idle_timeout: Duration::from_secs(30),
+            body_budget_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -64,6 +75,7 @@ pub struct ExtProcService<R> {
     router: Arc<R>,
     metrics: Arc<Metrics>,
     config: Arc<ExtProcConfig>,
+    budget: Arc<BodyBudget>,
 }
 
 impl<R> Clone for ExtProcService<R> {
@@ -72,16 +84,19 @@ impl<R> Clone for ExtProcService<R> {
             router: Arc::clone(&self.router),
             metrics: Arc::clone(&self.metrics),
             config: Arc::clone(&self.config),
+            budget: Arc::clone(&self.budget),
         }
     }
 }
 
 impl<R: Router> ExtProcService<R> {
     pub fn new(router: Arc<R>, metrics: Arc<Metrics>, config: ExtProcConfig) -> Self {
+        let budget = BodyBudget::new(config.body_budget_bytes, metrics.buffered_body_bytes());
         ExtProcService {
             router,
             metrics,
             config: Arc::new(config),
+            budget,
         }
     }
 
@@ -118,6 +133,7 @@ impl<R: Router> ExtProcService<R> {
             self.router.clone(),
             self.metrics.clone(),
             self.config.clone(),
+            self.budget.hold(),
             tx,
         );
         tokio::spawn(session.run(inbound));

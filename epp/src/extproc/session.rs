@@ -20,6 +20,7 @@ use tonic::Status;
 use tracing::{Instrument, Span};
 
 use super::body::{self, Api, path_only};
+use super::limits::{BodyHold, StreamGuard};
 use super::reply;
 use super::router::{Incoming, ResponseFacts, Route, Router};
 use super::*;
@@ -48,6 +49,9 @@ pub struct Session<R: Router> {
     body: Vec<u8>,
     routed: Option<Routed<R::Ticket>>,
     done: bool,
+    /// This stream's share of the body budget, for `body`.
+    hold: BodyHold,
+    _open: StreamGuard,
 }
 
 impl<R: Router> Session<R> {
@@ -55,8 +59,10 @@ impl<R: Router> Session<R> {
         router: Arc<R>,
         metrics: Arc<Metrics>,
         config: Arc<ExtProcConfig>,
+        hold: BodyHold,
         tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     ) -> Self {
+        let open = StreamGuard::new(metrics.streams_open());
         Session {
             router,
             metrics,
@@ -71,6 +77,8 @@ impl<R: Router> Session<R> {
             body: Vec::new(),
             routed: None,
             done: false,
+            hold,
+            _open: open,
         }
     }
 
@@ -92,7 +100,25 @@ impl<R: Router> Session<R> {
         mut self,
         mut inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin,
     ) {
-        while let Some(item) = inbound.next().await {
+        loop {
+            // Until the request is decided the stream holds buffered body
+            // and a slot; a client that stops sending must not keep them.
+            let next = if self.done {
+                inbound.next().await
+            } else {
+                match tokio::time::timeout(self.config.idle_timeout, inbound.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let message = format!(
+                            "no request data for {} s",
+                            self.config.idle_timeout.as_secs_f64()
+                        );
+                        self.shed(408, "idle_timeout", &message).await;
+                        break;
+                    }
+                }
+            };
+            let Some(item) = next else { break };
             let msg = match item {
                 Ok(msg) => msg,
                 // The stream broke mid-way: nothing is left to answer.
@@ -210,6 +236,15 @@ impl<R: Router> Session<R> {
         if self.body.len() + b.body.len() > self.config.max_body_bytes {
             return self.too_large().await;
         }
+        if !self.hold.grow(b.body.len()) {
+            self.shed(
+                503,
+                "body_budget",
+                "the endpoint picker is buffering too many request bodies; retry later",
+            )
+            .await;
+            return false;
+        }
         if self.body.is_empty() && b.end_of_stream {
             self.body = b.body;
         } else {
@@ -265,6 +300,9 @@ impl<R: Router> Session<R> {
                 fallbacks: self.config.fallbacks,
             },
         );
+        // The body is no longer needed; a long generation must not keep it.
+        self.body = Vec::new();
+        self.hold.release();
         for msg in replies {
             if !self.send(msg).await {
                 return false;
@@ -361,6 +399,17 @@ impl<R: Router> Session<R> {
             .send(reply::immediate_error(status, kind, message))
             .await;
         false
+    }
+
+    /// Refuses to protect the EPP (not the client's fault); ends the stream.
+    async fn shed(&mut self, status: u16, reason: &str, message: &str) {
+        self.done = true;
+        Span::current().record("outcome", reason);
+        self.metrics.stream_refused(reason);
+        tracing::debug!(reason, "stream refused");
+        let _ = self
+            .send(reply::immediate_error(status, "server_error", message))
+            .await;
     }
 
     async fn send(&self, msg: ProcessingResponse) -> bool {
@@ -481,6 +530,7 @@ mod tests {
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProtocolConfiguration};
 
     use super::*;
+    use crate::extproc::limits::BodyBudget;
     use crate::extproc::router::LocalRoute;
 
     /// Routes every request to one fixed answer and records what it is told.
@@ -576,11 +626,14 @@ mod tests {
         streamed: bool,
         messages: Vec<Msg>,
     ) -> Vec<ProcessingResponse> {
+        let metrics = Arc::new(Metrics::default());
+        let budget = BodyBudget::new(1 << 20, metrics.buffered_body_bytes());
         let (tx, mut rx) = mpsc::channel(64);
         let session = Session::new(
             Arc::clone(router),
-            Arc::new(Metrics::default()),
+            metrics,
             Arc::new(ExtProcConfig::default()),
+            budget.hold(),
             tx,
         );
         let mut requests: Vec<ProcessingRequest> = messages.into_iter().map(request).collect();
@@ -598,6 +651,190 @@ mod tests {
             out.push(reply.unwrap());
         }
         out
+    }
+
+    /// A session with its own metrics and a budget of `budget` bytes, fed
+    /// by the returned sender; replies arrive on the returned receiver.
+    struct Live {
+        inbound: mpsc::Sender<Result<ProcessingRequest, Status>>,
+        replies: mpsc::Receiver<Result<ProcessingResponse, Status>>,
+        metrics: Arc<Metrics>,
+        budget: Arc<BodyBudget>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    fn live(router: &Arc<FakeRouter>, budget: usize, idle: Duration) -> Live {
+        let metrics = Arc::new(Metrics::default());
+        let budget = BodyBudget::new(budget, metrics.buffered_body_bytes());
+        let (tx, replies) = mpsc::channel(64);
+        let (inbound, rx) = mpsc::channel(64);
+        let config = ExtProcConfig {
+            idle_timeout: idle,
+            ..ExtProcConfig::default()
+        };
+        let session = Session::new(
+            Arc::clone(router),
+            Arc::clone(&metrics),
+            Arc::new(config),
+            budget.hold(),
+            tx,
+        );
+        let task = tokio::spawn(session.run(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        Live {
+            inbound,
+            replies,
+            metrics,
+            budget,
+            task,
+        }
+    }
+
+    fn immediate_status(reply: &ProcessingResponse) -> Option<i32> {
+        match reply.response.as_ref()? {
+            Reply::ImmediateResponse(i) => i.status.as_ref().map(|s| s.code),
+            _ => None,
+        }
+    }
+
+    fn rendered(metrics: &Metrics) -> String {
+        metrics.render(
+            &crate::endpoints::EndpointRegistry::new(Duration::from_secs(1)),
+            None,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_shared_budget_is_refused_at_once_and_frees_nothing_else() {
+        let router = FakeRouter::new(local());
+        // One stream holds 600 of the 1,000 bytes and never finishes.
+        let mut holder = live(&router, 1000, Duration::from_secs(60));
+        holder
+            .inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        holder
+            .inbound
+            .send(Ok(request(body(&[b' '; 600], false))))
+            .await
+            .unwrap();
+        assert!(holder.replies.recv().await.is_some(), "headers continue");
+        tokio::task::yield_now().await;
+        while holder.budget.used() < 600 {
+            tokio::task::yield_now().await;
+        }
+        // A second stream on the same budget asks for 500 more: refused.
+        let metrics = Arc::clone(&holder.metrics);
+        let (tx, mut rx) = mpsc::channel(64);
+        let second = Session::new(
+            Arc::clone(&router),
+            Arc::clone(&metrics),
+            Arc::new(ExtProcConfig::default()),
+            holder.budget.hold(),
+            tx,
+        );
+        let messages = [headers(&[PATH], false), body(&[b' '; 500], false)];
+        second
+            .run(futures::stream::iter(
+                messages.into_iter().map(|m| Ok(request(m))),
+            ))
+            .await;
+        let mut statuses = Vec::new();
+        while let Ok(reply) = rx.try_recv() {
+            statuses.push(immediate_status(&reply.unwrap()));
+        }
+        assert_eq!(statuses, [None, Some(503)]);
+        assert_eq!(holder.budget.used(), 600, "the refused stream took nothing");
+        assert!(router.routed.lock().unwrap().is_empty());
+        let text = rendered(&metrics);
+        assert!(
+            text.contains(r#"kinference_epp_stream_refusals_total{reason="body_budget"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("kinference_epp_buffered_body_bytes 600"),
+            "{text}"
+        );
+        assert!(text.contains("kinference_epp_streams_open 1"), "{text}");
+        drop(holder.inbound);
+        holder.task.await.unwrap();
+        assert_eq!(
+            holder.budget.used(),
+            0,
+            "a closed stream gives its bytes back"
+        );
+        assert!(rendered(&metrics).contains("kinference_epp_streams_open 0"));
+    }
+
+    #[tokio::test]
+    async fn a_decided_request_gives_its_body_bytes_back_while_its_response_runs() {
+        let router = FakeRouter::new(local());
+        let mut s = live(&router, 1 << 20, Duration::from_secs(60));
+        s.inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        s.inbound.send(Ok(request(body(CHAT, true)))).await.unwrap();
+        s.replies.recv().await.unwrap().unwrap();
+        s.replies.recv().await.unwrap().unwrap();
+        assert_eq!(*router.routed.lock().unwrap(), ["m"]);
+        assert_eq!(
+            s.budget.used(),
+            0,
+            "the stream is open, its body is not held"
+        );
+        drop(s.inbound);
+        s.task.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_stops_sending_before_its_decision_gets_408_and_ends() {
+        let router = FakeRouter::new(local());
+        let mut s = live(&router, 1 << 20, Duration::from_secs(30));
+        s.inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        s.inbound
+            .send(Ok(request(body(b"{\"model\"", false))))
+            .await
+            .unwrap();
+        s.replies.recv().await.unwrap().unwrap();
+        // Nothing more: paused time jumps to the timeout.
+        let reply = s.replies.recv().await.unwrap().unwrap();
+        assert_eq!(immediate_status(&reply), Some(408));
+        s.task.await.unwrap();
+        assert!(router.routed.lock().unwrap().is_empty());
+        assert_eq!(s.budget.used(), 0);
+        let text = rendered(&s.metrics);
+        assert!(
+            text.contains(r#"kinference_epp_stream_refusals_total{reason="idle_timeout"} 1"#),
+            "{text}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_decided_stream_may_wait_for_its_response_longer_than_the_idle_timeout() {
+        let router = FakeRouter::new(local());
+        let mut s = live(&router, 1 << 20, Duration::from_secs(30));
+        s.inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        s.inbound.send(Ok(request(body(CHAT, true)))).await.unwrap();
+        s.replies.recv().await.unwrap().unwrap();
+        s.replies.recv().await.unwrap().unwrap();
+        // A long generation: ten minutes before the response headers.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        s.inbound
+            .send(Ok(request(response_headers("200"))))
+            .await
+            .unwrap();
+        let reply = s.replies.recv().await.unwrap().unwrap();
+        assert_eq!(immediate_status(&reply), None, "{reply:?}");
+        drop(s.inbound);
+        s.task.await.unwrap();
+        assert_eq!(router.completed.lock().unwrap()[0].status, Some(200));
     }
 
     const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
@@ -752,6 +989,7 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
                 .build()
                 .unwrap();
             let router = FakeRouter::new(local());
