@@ -9,6 +9,7 @@ pub mod compile;
 pub mod duration;
 pub mod eval;
 pub mod model;
+pub mod pattern;
 pub mod source;
 pub mod spec;
 pub mod yaml;

@@ -5,9 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use regex::Regex;
-
 use crate::attr::{CandidateAttr, CandidateType, Metric, RequestAttr};
+use crate::pattern::Pattern;
 use crate::spec::{ParentRef, PolicySpec, RouteSpec, SecretKeyRef};
 
 #[derive(Debug, Clone)]
@@ -317,7 +316,7 @@ pub enum Test {
     NotIn(Vec<Value>),
     Compare(Comparison, Operand),
     Prefix(String),
-    Regex(Regex),
+    Regex(Pattern),
     ContainsAll(Vec<String>),
     /// False when absent.
     ContainsNone(Vec<String>),

@@ -36,10 +36,7 @@ impl Api {
     }
 }
 
-/// The path without its query string.
-pub fn path_only(path: &str) -> &str {
-    path.split('?').next().unwrap_or(path)
-}
+pub use kinference_policy::eval::path_only;
 
 /// What routing needs from a body.
 #[derive(Debug)]

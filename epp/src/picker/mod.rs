@@ -239,6 +239,8 @@ impl Picker {
             .iter()
             .filter_map(|h| incoming.headers.get(h).map(|v| (h.clone(), v.clone())))
             .collect();
+        // Clamped as predicates see it: the copy kept for /debug/explain
+        // stays small whatever a client sends.
         Request {
             model,
             tenant: header(&policy.compiled.tenant_header),
@@ -253,6 +255,7 @@ impl Picker {
                 .and_then(|v| parse_duration(&v).ok())
                 .map(|d| d.as_secs_f64()),
         }
+        .clamped()
     }
 
     /// The gateway reported a first byte after `ttft`: update the observed

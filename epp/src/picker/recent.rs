@@ -12,8 +12,9 @@ use serde_json::{Value, json};
 
 use crate::policy_store::LoadedPolicy;
 
-/// Inputs of one decision. Holds no prompt text and only the headers the
-/// policy reads.
+/// Inputs of one decision. Holds no prompt text, only the headers the
+/// policy reads, and every value clamped as predicates see it (so a client's
+/// megabyte header is kept as at most 1 KiB).
 pub struct RecordedDecision {
     pub at: SystemTime,
     pub policy: Arc<LoadedPolicy>,
@@ -22,6 +23,9 @@ pub struct RecordedDecision {
     pub candidates: Vec<Candidate>,
     pub seed: u64,
 }
+
+/// A replayed trace larger than this is left out of `/debug/explain`.
+const MAX_TRACE_BYTES: usize = 64 * 1024;
 
 pub struct RecentDecisions {
     capacity: usize,
@@ -52,7 +56,7 @@ impl RecentDecisions {
 }
 
 fn replay(d: &RecordedDecision) -> Value {
-    let mut trace = Trace::default();
+    let mut trace = Trace::redacted();
     let mut rng = SmallRng::seed_from_u64(d.seed);
     let compiled = &d.policy.compiled;
     let outcome = match evaluate(
@@ -81,10 +85,17 @@ fn replay(d: &RecordedDecision) -> Value {
         d.at.duration_since(SystemTime::UNIX_EPOCH)
             .map(|t| t.as_secs_f64())
             .unwrap_or_default();
+    let trace = serde_json::to_value(&trace).unwrap_or_default();
+    let trace_bytes = trace.to_string().len();
+    let trace = if trace_bytes > MAX_TRACE_BYTES {
+        json!({ "omitted": format!("the trace is {trace_bytes} bytes, over the {MAX_TRACE_BYTES}-byte cap") })
+    } else {
+        trace
+    };
     json!({
         "at": at,
         "policyHash": compiled.hash,
-        "request": d.request,
+        "request": d.request.redacted(),
         "tags": d.tags.tags,
         "candidates": d.candidates.len(),
         "trace": trace,

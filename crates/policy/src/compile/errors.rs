@@ -1,5 +1,7 @@
 use std::fmt;
 
+use crate::pattern::PatternBudget;
+
 /// One problem in a policy, at a path such as `rules[2].route.select[0]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompileError {
@@ -66,9 +68,11 @@ pub(crate) fn join(prefix: &str, path: &str) -> String {
 }
 
 /// Collects errors while the compiler walks the whole policy, so users see
-/// every mistake at once rather than one per attempt.
+/// every mistake at once rather than one per attempt. It also carries what
+/// the policy has spent of its pattern budget: the one piece of state every
+/// compile step already threads through.
 #[derive(Default)]
-pub(crate) struct Errors(pub Vec<CompileError>);
+pub(crate) struct Errors(pub Vec<CompileError>, pub PatternBudget);
 
 impl Errors {
     pub fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {

@@ -1,6 +1,5 @@
 //! Predicates: `attribute: value | [values] | { operator: argument }`.
 
-use regex::Regex;
 use serde_json::Value as Json;
 
 use super::errors::Errors;
@@ -9,6 +8,7 @@ use crate::attr::{
 };
 use crate::duration::parse_duration;
 use crate::model::{ClassifierSet, Comparison, Conjunction, Operand, Predicate, Test, Value};
+use crate::pattern::PatternError;
 
 /// What a predicate is evaluated against, and how its names resolve.
 pub(crate) trait Side: Sized {
@@ -273,20 +273,13 @@ impl PredicateCompiler<'_, '_> {
                 if op == "prefix" {
                     return Some(Test::Prefix(s.clone()));
                 }
-                match Regex::new(s) {
-                    Ok(re) => Some(Test::Regex(re)),
-                    Err(e) => {
-                        let detail = e
-                            .to_string()
-                            .lines()
-                            .last()
-                            .unwrap_or_default()
-                            .trim()
-                            .to_string();
-                        self.errors
-                            .add(path, format!("invalid regex {s:?}: {detail}"));
+                match self.errors.1.compile(s) {
+                    Ok(pattern) => Some(Test::Regex(pattern)),
+                    Err(PatternError::Invalid(message)) => {
+                        self.errors.add(path, message);
                         None
                     }
+                    Err(PatternError::BudgetSpent) => None,
                 }
             }
             "containsAll" | "containsNone" => {

@@ -45,15 +45,48 @@ pub enum Val<'a> {
     Set(&'a [String]),
 }
 
+/// Predicates see at most this many bytes of a request's text attribute
+/// (model, tenant, path, a header). A client controls these values; without
+/// a cap, one 60 KB header made each regex predicate cost milliseconds. Every
+/// identifier a rule should route on is far shorter.
+pub const MAX_ATTRIBUTE_BYTES: usize = 1024;
+
+/// `text` cut to [`MAX_ATTRIBUTE_BYTES`] at a character boundary.
+pub fn clamp_attribute(text: &str) -> &str {
+    if text.len() <= MAX_ATTRIBUTE_BYTES {
+        return text;
+    }
+    let mut end = MAX_ATTRIBUTE_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 impl Request {
+    /// The request as predicates see it: every text attribute clamped, so
+    /// a copy kept for later (an explain trace) is small and evaluates the
+    /// same.
+    pub fn clamped(mut self) -> Self {
+        let clamp = |s: &mut String| s.truncate(clamp_attribute(s).len());
+        clamp(&mut self.model);
+        clamp(&mut self.path);
+        self.tenant.as_mut().map(clamp);
+        self.lora.as_mut().map(clamp);
+        self.headers.values_mut().for_each(clamp);
+        self
+    }
+
     pub fn value<'a>(&'a self, attr: &RequestAttr, tags: &'a Tags) -> Option<Val<'a>> {
-        let text = |s: &'a Option<String>| s.as_deref().map(Val::Text);
+        let text = |s: &'a Option<String>| s.as_deref().map(|s| Val::Text(clamp_attribute(s)));
         match attr {
-            RequestAttr::Model => (!self.model.is_empty()).then_some(Val::Text(&self.model)),
+            RequestAttr::Model => {
+                (!self.model.is_empty()).then_some(Val::Text(clamp_attribute(&self.model)))
+            }
             RequestAttr::Tenant => text(&self.tenant),
-            RequestAttr::Path => Some(Val::Text(&self.path)),
+            RequestAttr::Path => Some(Val::Text(clamp_attribute(&self.path))),
             RequestAttr::Api => text(&self.api),
-            RequestAttr::Header(h) => self.headers.get(h).map(|v| Val::Text(v)),
+            RequestAttr::Header(h) => self.headers.get(h).map(|v| Val::Text(clamp_attribute(v))),
             RequestAttr::PromptTokens => Some(Val::Number(self.prompt_tokens as f64)),
             RequestAttr::MaxTokens => self.max_tokens.map(|n| Val::Number(n as f64)),
             RequestAttr::Stream => Some(Val::Text(if self.stream { "true" } else { "false" })),

@@ -3,12 +3,14 @@
 
 mod input;
 mod predicate;
+mod redact;
 mod select;
 mod trace;
 
 use rand::Rng;
 
-pub use input::{Candidate, Metrics, Request, Tags, Val};
+pub use input::{Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute};
+pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use trace::{CandidateDrop, NoTrace, RuleTrace, TierTrace, Trace, Tracer};
 
 use crate::model::{ClassifierSet, CompiledPolicy, Consider, ModelSelector, OnEmpty, Route, Rule};

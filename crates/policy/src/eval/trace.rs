@@ -6,8 +6,9 @@ use serde::Serialize;
 
 use super::input::{Candidate, Request, Tags, Val};
 use super::predicate::first_failing;
+use super::redact::shown_value;
 use crate::duration::format_seconds;
-use crate::model::{Predicate, Rank, Rule, Test, Tier, Value};
+use crate::model::{Rank, Rule, Test, Tier, Value};
 
 pub trait Tracer {
     /// Whether `tier` wants every candidate ranked (costly), or only the top.
@@ -39,6 +40,20 @@ impl Tracer for NoTrace {}
 #[serde(rename_all = "camelCase")]
 pub struct Trace {
     pub rules: Vec<RuleTrace>,
+    /// Show the request's client-supplied values as [`shown_value`] does
+    /// (digests, no credentials): for traces served over HTTP.
+    #[serde(skip)]
+    pub redact: bool,
+}
+
+impl Trace {
+    /// A trace that never shows a client-supplied value in the clear.
+    pub fn redacted() -> Self {
+        Trace {
+            redact: true,
+            ..Trace::default()
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -102,9 +117,14 @@ impl Tracer for Trace {
             .enumerate()
             .filter_map(|(i, entry)| {
                 let p = first_failing(entry, |a| request.value(a, tags))?;
+                let got = match request.value(&p.attr, tags) {
+                    Some(Val::Text(s)) if self.redact => shown_value(&p.attr, s),
+                    other => describe_value(other),
+                };
                 Some(format!(
-                    "matches[{i}]: {}",
-                    describe_failure(p, request.value(&p.attr, tags))
+                    "matches[{i}]: {} is {got}, wanted {}",
+                    p.attr,
+                    describe_test(&p.test)
                 ))
             })
             .collect();
@@ -193,14 +213,13 @@ fn describe_rank(rank: &Rank) -> String {
     }
 }
 
-fn describe_failure<A: std::fmt::Display>(p: &Predicate<A>, actual: Option<Val<'_>>) -> String {
-    let got = match actual {
+fn describe_value(value: Option<Val<'_>>) -> String {
+    match value {
         None => "absent".to_string(),
         Some(Val::Text(s)) => format!("{s:?}"),
         Some(Val::Number(n)) => format!("{n}"),
         Some(Val::Set(s)) => format!("[{}]", s.join(", ")),
-    };
-    format!("{} is {got}, wanted {}", p.attr, describe_test(&p.test))
+    }
 }
 
 fn describe_test(test: &Test) -> String {
