@@ -17,8 +17,47 @@ pub struct ClassifierRun {
     pub index: usize,
     pub tags: Vec<String>,
     pub elapsed: Duration,
-    pub timed_out: bool,
-    pub failed: bool,
+    /// Why it emitted no tags, if it failed.
+    pub error: Option<ClassifierError>,
+}
+
+/// Why a classifier run failed (`kind` in the metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClassifierError {
+    /// It did not answer within its timeout.
+    Timeout,
+    /// An HTTP classifier could not be reached (connect, TLS, reset).
+    Unreachable,
+    /// An HTTP classifier answered with a non-2xx status.
+    Status,
+    /// An HTTP classifier's answer was not `{"tags": [...]}`.
+    BadAnswer,
+    /// A built-in classifier could not run (unknown kind, worker panicked).
+    Internal,
+}
+
+impl ClassifierError {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClassifierError::Timeout => "timeout",
+            ClassifierError::Unreachable => "unreachable",
+            ClassifierError::Status => "status",
+            ClassifierError::BadAnswer => "bad_answer",
+            ClassifierError::Internal => "internal",
+        }
+    }
+
+    fn of_http(error: &reqwest::Error) -> Self {
+        if error.is_status() {
+            ClassifierError::Status
+        } else if error.is_decode() {
+            ClassifierError::BadAnswer
+        } else if error.is_timeout() {
+            ClassifierError::Timeout
+        } else {
+            ClassifierError::Unreachable
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -63,7 +102,7 @@ impl ClassifierRunner {
         let work = async {
             match &c.kind {
                 ClassifierKind::Builtin(kind) => {
-                    let kind = BuiltinKind::parse(kind).ok_or(())?;
+                    let kind = BuiltinKind::parse(kind).ok_or(ClassifierError::Internal)?;
                     if prompt.len() <= INLINE_PROMPT_BYTES {
                         // Microseconds of work: a thread hop would cost more.
                         return Ok(classify(kind, &prompt));
@@ -71,7 +110,7 @@ impl ClassifierRunner {
                     // Milliseconds on large prompts: keep them off the async workers.
                     tokio::task::spawn_blocking(move || classify(kind, &prompt))
                         .await
-                        .map_err(|_| ())
+                        .map_err(|_| ClassifierError::Internal)
                 }
                 ClassifierKind::Http { url } => {
                     let answer = self
@@ -81,8 +120,11 @@ impl ClassifierRunner {
                         .send()
                         .await
                         .and_then(|r| r.error_for_status())
-                        .map_err(|_| ())?;
-                    let body: HttpAnswer = answer.json().await.map_err(|_| ())?;
+                        .map_err(|e| ClassifierError::of_http(&e))?;
+                    let body: HttpAnswer = answer
+                        .json()
+                        .await
+                        .map_err(|e| ClassifierError::of_http(&e))?;
                     // Only tags the classifier declared: the policy was checked against them.
                     Ok(body
                         .tags
@@ -92,17 +134,20 @@ impl ClassifierRunner {
                 }
             }
         };
-        let (tags, timed_out, failed) = match tokio::time::timeout(c.timeout, work).await {
-            Ok(Ok(tags)) => (tags, false, false),
-            Ok(Err(())) => (Vec::new(), false, true),
-            Err(_) => (Vec::new(), true, false),
+        let (tags, error) = match tokio::time::timeout(c.timeout, work).await {
+            Ok(Ok(tags)) => (tags, None),
+            Ok(Err(error)) => (Vec::new(), Some(error)),
+            Err(_) => (Vec::new(), Some(ClassifierError::Timeout)),
         };
+        if let Some(error) = error {
+            // The classifier's name only: never the prompt.
+            tracing::debug!(classifier = %c.name, kind = error.as_str(), "classifier emitted no tags");
+        }
         ClassifierRun {
             index,
             tags,
             elapsed: started.elapsed(),
-            timed_out,
-            failed,
+            error,
         }
     }
 }

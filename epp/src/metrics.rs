@@ -10,6 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::classify::ClassifierError;
 use crate::endpoints::EndpointRegistry;
 use crate::endpoints::ScrapeStats;
 use crate::picker::Pick;
@@ -91,7 +92,7 @@ impl Default for Metrics {
         );
         r.register(
             "classifier_failures",
-            "Classifier runs that failed (no tags)",
+            "Classifier runs that failed (no tags), by kind: unreachable, status, bad_answer, internal",
             classifier_failures.clone(),
         );
         r.register(
@@ -191,17 +192,31 @@ impl Metrics {
             .inc();
     }
 
-    pub fn observe_classifier(&self, name: &str, took: Duration, timed_out: bool, failed: bool) {
+    pub fn observe_classifier(&self, name: &str, took: Duration, error: Option<ClassifierError>) {
         let l = labels(&[("classifier", name)]);
         self.classifier_seconds
             .get_or_create(&l)
             .observe(took.as_secs_f64());
-        if timed_out {
-            self.classifier_timeouts.get_or_create(&l).inc();
+        match error {
+            None => {}
+            Some(ClassifierError::Timeout) => {
+                self.classifier_timeouts.get_or_create(&l).inc();
+            }
+            Some(kind) => {
+                let l = labels(&[("classifier", name), ("kind", kind.as_str())]);
+                self.classifier_failures.get_or_create(&l).inc();
+            }
         }
-        if failed {
-            self.classifier_failures.get_or_create(&l).inc();
-        }
+    }
+
+    /// Serves `counter` as `kinference_epp_policy_refusals_total`.
+    pub fn register_policy_refusals(&self, counter: Counter) {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        registry.register(
+            "policy_refusals",
+            "New policies refused (invalid, unreadable); the last good one keeps serving",
+            counter,
+        );
     }
 
     /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].

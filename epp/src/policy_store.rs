@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
 use kinference_policy::{CompiledPolicy, PolicySpec, compile};
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 
 /// A compiled policy as the EPP serves it.
@@ -35,6 +36,8 @@ pub struct PolicyStore {
     current: ArcSwapOption<LoadedPolicy>,
     state: Mutex<LoadState>,
     changes: watch::Sender<Option<String>>,
+    /// Inputs refused (`kinference_epp_policy_refusals_total`).
+    refusals: Counter,
 }
 
 impl Default for PolicyStore {
@@ -43,6 +46,7 @@ impl Default for PolicyStore {
             current: ArcSwapOption::empty(),
             state: Mutex::new(LoadState::Empty),
             changes: watch::channel(None).0,
+            refusals: Counter::default(),
         }
     }
 }
@@ -63,6 +67,17 @@ impl PolicyStore {
     /// Notified with the hash each time a new policy takes effect.
     pub fn subscribe(&self) -> watch::Receiver<Option<String>> {
         self.changes.subscribe()
+    }
+
+    /// The refusal counter, to register with the metrics.
+    pub fn refusals(&self) -> Counter {
+        self.refusals.clone()
+    }
+
+    /// Records that the newest input could not even be read; the last good
+    /// policy keeps serving.
+    pub fn refuse(&self, error: String) {
+        let _ = self.apply(Err(error));
     }
 
     /// Loads the operator's ConfigMap payload (the policy spec as JSON).
@@ -104,6 +119,7 @@ impl PolicyStore {
                 Ok(hash)
             }
             Err(error) => {
+                self.refusals.inc();
                 tracing::warn!(%error, "refusing a new policy; the last good one keeps serving");
                 *state = LoadState::Refused {
                     serving: self.loaded_hash(),
@@ -133,5 +149,6 @@ mod tests {
         assert!(matches!(store.state(), LoadState::Refused { serving: Some(h), .. } if h == hash));
         assert!(store.load_json("{not json").is_err());
         assert_eq!(store.loaded_hash(), Some(hash));
+        assert_eq!(store.refusals().get(), 2);
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::routing::post;
-use kinference_epp::classify::ClassifierRunner;
+use kinference_epp::classify::{ClassifierError, ClassifierRunner};
 use kinference_policy::model::ClassifierSet;
 use kinference_policy::source::compile_text;
 
@@ -32,6 +32,7 @@ async fn classifier_server() -> std::net::SocketAddr {
                 Json(serde_json::json!({ "tags": ["slow-none"] }))
             }),
         )
+        .route("/garbage", post(|| async { "this is not JSON" }))
         .route(
             "/broken",
             post(|| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom") }),
@@ -68,9 +69,57 @@ async fn runs_builtin_and_http_classifiers_with_timeouts() {
     );
     assert_eq!(by_index(1).tags, ["toxic-confirmed"]);
     let slow = by_index(2);
-    assert!(slow.timed_out && slow.tags.is_empty());
+    assert_eq!(slow.error, Some(ClassifierError::Timeout));
+    assert!(slow.tags.is_empty());
     let broken = by_index(3);
-    assert!(broken.failed && !broken.timed_out && broken.tags.is_empty());
+    assert!(broken.tags.is_empty());
+    assert_eq!(broken.error, Some(ClassifierError::Status));
+    assert_eq!(by_index(0).error, None);
+}
+
+#[tokio::test]
+async fn failures_are_told_apart_by_kind_in_the_metrics() {
+    let addr = classifier_server().await;
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let policy = compile_text(&format!(
+        "pool: {{ selector: {{ app: x }}, targetPorts: [{{ number: 1 }}] }}\nclassifiers:\n  - {{ name: garbage, type: http, url: \"http://{addr}/garbage\", tags: [g-none], timeout: 1s }}\n  - {{ name: gone, type: http, url: \"http://{closed}/x\", tags: [x-none], timeout: 1s }}\n  - {{ name: broken, type: http, url: \"http://{addr}/broken\", tags: [b-none], timeout: 1s }}\nrules:\n  - name: r\n    route: {{ select: [{{ minimize: QueueDepth }}] }}\n"
+    ))
+    .unwrap();
+    let all = (0..3).fold(ClassifierSet::default(), |s, i| s.with(i));
+    let runs = ClassifierRunner::default()
+        .run(&policy.classifiers, all, &Arc::from("hello"))
+        .await;
+    let errors: Vec<_> = runs.iter().map(|r| r.error).collect();
+    assert_eq!(
+        errors,
+        [
+            Some(ClassifierError::BadAnswer),
+            Some(ClassifierError::Unreachable),
+            Some(ClassifierError::Status)
+        ]
+    );
+    let metrics = kinference_epp::metrics::Metrics::default();
+    for run in &runs {
+        metrics.observe_classifier(&policy.classifiers[run.index].name, run.elapsed, run.error);
+    }
+    let text = metrics.render(
+        &kinference_epp::endpoints::EndpointRegistry::new(Duration::from_secs(1)),
+        None,
+    );
+    for (name, kind) in [
+        ("garbage", "bad_answer"),
+        ("gone", "unreachable"),
+        ("broken", "status"),
+    ] {
+        let line = format!(
+            "kinference_epp_classifier_failures_total{{classifier=\"{name}\",kind=\"{kind}\"}} 1"
+        );
+        assert!(text.contains(&line), "{line} missing:\n{text}");
+    }
 }
 
 #[tokio::test]

@@ -41,6 +41,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use super::registry::{Endpoint, EndpointRegistry};
+use crate::lists::comma_separated;
 
 /// Pod label listing the models a Pod serves, comma-separated.
 pub const MODELS_LABEL: &str = "kinference.io/models";
@@ -110,7 +111,7 @@ pub struct ActivePorts {
 /// discovery loop logs a warning once per Pod and annotation value.
 pub fn parse_active_ports(value: &str) -> ActivePorts {
     let mut out = ActivePorts::default();
-    for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+    for entry in comma_separated(value) {
         match entry.parse::<u16>() {
             Ok(port) if port > 0 => {
                 out.ports.insert(port);
@@ -220,13 +221,9 @@ fn ready_endpoint(pod: &Pod) -> Option<Endpoint> {
     })
 }
 
-/// Splits a comma-separated model list, trimming and dropping empties.
+/// A comma-separated model list.
 fn parse_model_list(v: &str) -> Vec<String> {
-    v.split(',')
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-        .map(str::to_string)
-        .collect()
+    comma_separated(v).map(str::to_string).collect()
 }
 
 /// The workload that owns the Pod: a ReplicaSet's Deployment (its name minus

@@ -48,6 +48,7 @@ use tracing::{debug, info, warn};
 
 use super::prom::{self, Sample};
 use super::registry::{Endpoint, EndpointRegistry, ScrapedMetrics};
+use crate::lists::comma_separated;
 
 /// Default scrape interval.
 pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(50);
@@ -427,14 +428,8 @@ fn max(slot: &mut Option<f64>, v: f64) {
 
 /// Comma-separated adapter names, trimmed, empties dropped.
 fn adapter_list(s: Option<Cow<'_, str>>) -> Vec<String> {
-    s.map(|s| {
-        s.split(',')
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-            .map(str::to_string)
-            .collect()
-    })
-    .unwrap_or_default()
+    s.map(|s| comma_separated(&s).map(str::to_string).collect())
+        .unwrap_or_default()
 }
 
 impl EngineAcc {

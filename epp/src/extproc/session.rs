@@ -24,6 +24,7 @@ use super::limits::{BodyHold, StreamGuard};
 use super::reply;
 use super::router::{Incoming, ResponseFacts, Route, Router};
 use super::*;
+use crate::lists::comma_separated;
 use crate::metrics::Metrics;
 
 /// `BodySendMode::FullDuplexStreamed` in the filter's protocol config.
@@ -189,7 +190,7 @@ impl<R: Router> Session<R> {
         if self.config.conformance_hooks
             && let Some(ips) = self.headers.get(TEST_SELECTION_HEADER)
         {
-            self.subset = Some(split_list(ips));
+            self.subset = Some(comma_separated(ips).map(str::to_string).collect());
         }
         let Some(api) = Api::from_path(&self.path) else {
             return self
@@ -475,14 +476,6 @@ fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
-fn split_list(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
 /// The subset hint: a list of `ip:port` strings, or one comma-separated string.
 pub(super) fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
     let value = md
@@ -491,7 +484,7 @@ pub(super) fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
         .fields
         .get(DESTINATION_SUBSET)?;
     match value.kind.as_ref()? {
-        Kind::StringValue(s) => Some(split_list(s)),
+        Kind::StringValue(s) => Some(comma_separated(s).map(str::to_string).collect()),
         Kind::ListValue(list) => Some(
             list.values
                 .iter()

@@ -212,7 +212,7 @@ impl Picker {
             {
                 let name = &policy.compiled.classifiers[run.index].name;
                 self.metrics
-                    .observe_classifier(name, run.elapsed, run.timed_out, run.failed);
+                    .observe_classifier(name, run.elapsed, run.error);
                 tags.record(run.index, run.tags);
             }
             // Classifiers the set named but the runner skipped still count as run.
