@@ -13,9 +13,16 @@ use prometheus_client::registry::Registry;
 use crate::classify::ClassifierError;
 use crate::endpoints::EndpointRegistry;
 use crate::endpoints::ScrapeStats;
-use crate::picker::Pick;
 
 type Labels = Vec<(String, String)>;
+
+/// How a decision ended, for [`Metrics::observe_decision`].
+#[derive(Debug, Clone, Copy)]
+pub enum DecisionOutcome {
+    Local,
+    Provider,
+    Reject { status: u16 },
+}
 
 pub struct Metrics {
     registry: Mutex<Registry>,
@@ -171,20 +178,22 @@ impl Metrics {
         Arc::clone(&self.scrape)
     }
 
-    pub fn observe_decision(&self, pick: &Pick, took: Duration) {
+    /// One decision: its rule (empty when none matched) and outcome
+    /// (`local`, `provider`, `reject`); a reject also counts by status.
+    pub fn observe_decision(&self, rule: &str, outcome: DecisionOutcome, took: Duration) {
         self.decision_seconds.observe(took.as_secs_f64());
-        let (rule, outcome) = match pick {
-            Pick::Local(l) => (l.rule.as_str(), "local"),
-            Pick::Provider(p) => (p.rule.as_str(), "provider"),
-            Pick::Reject { rule, status, .. } => {
-                let reason = if rule.is_some() { "rule" } else { "no_rule" };
+        let outcome = match outcome {
+            DecisionOutcome::Local => "local",
+            DecisionOutcome::Provider => "provider",
+            DecisionOutcome::Reject { status } => {
+                let reason = if rule.is_empty() { "no_rule" } else { "rule" };
                 self.rejects
                     .get_or_create(&labels(&[
                         ("status", &status.to_string()),
                         ("reason", reason),
                     ]))
                     .inc();
-                (rule.as_deref().unwrap_or(""), "reject")
+                "reject"
             }
         };
         self.decisions

@@ -24,7 +24,7 @@ use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
 use crate::extproc::body::estimate_tokens;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
-use crate::metrics::Metrics;
+use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
 use crate::predict::{
     DestinationState, InflightGuard, Outcome, TtftFeatures, TtftPredictor, block_hashes,
@@ -164,7 +164,16 @@ impl Picker {
         let seed = rand::random::<u64>();
         let (decision, tags) = self.evaluate(&policy, &request, &set, incoming, seed).await;
         let mut pick = set.to_pick(self, &policy, &request, &decision);
-        self.metrics.observe_decision(&pick, started.elapsed());
+        let (rule, outcome) = match &pick {
+            Pick::Local(l) => (l.rule.as_str(), DecisionOutcome::Local),
+            Pick::Provider(p) => (p.rule.as_str(), DecisionOutcome::Provider),
+            Pick::Reject { rule, status, .. } => (
+                rule.as_deref().unwrap_or(""),
+                DecisionOutcome::Reject { status: *status },
+            ),
+        };
+        self.metrics
+            .observe_decision(rule, outcome, started.elapsed());
         if let Pick::Local(local) = &mut pick {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
