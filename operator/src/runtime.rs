@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::{FutureExt, Stream, StreamExt};
+use futures::{FutureExt, StreamExt};
 use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
 use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::NamespaceResourceScope;
@@ -13,6 +13,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
+use kinference_runtime::watch::{log_outages, watch_backoff};
 use kube::api::PartialObjectMeta;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -268,10 +269,10 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
         scoped::<InferencePolicy>(&client, ns),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff(watch_backoff())
     .reflect(writer)
     .applied_objects();
-    let controller = Controller::for_stream(logged("InferencePolicy", policies), store)
+    let controller = Controller::for_stream(log_outages("InferencePolicy", policies), store)
         .with_config(controller::Config::default().concurrency(config.concurrency));
     let controller = owns::<ServiceAccount>(controller, &client, ns, &ours);
     let controller = owns::<Role>(controller, &client, ns, &ours);
@@ -285,11 +286,11 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     // EPP Pods: Ready flips when one reports the accepted hash. Metadata
     // (labels, annotations) is all that is needed.
     let pods = watcher(scoped::<PartialObjectMeta<Pod>>(&client, ns), ours.clone())
-        .default_backoff()
+        .backoff(watch_backoff())
         .touched_objects();
     tracing::info!(namespace = ns.unwrap_or("<all>"), "controller starting");
     controller
-        .watches_stream(logged("Pod", pods), |pod: PartialObjectMeta<Pod>| {
+        .watches_stream(log_outages("Pod", pods), |pod: PartialObjectMeta<Pod>| {
             let policy = pod.labels().get(POLICY_LABEL)?.clone();
             let ns = pod.namespace()?;
             Some(ObjectRef::<InferencePolicy>::new(&policy).within(&ns))
@@ -314,24 +315,6 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     tracing::info!("controller stopped");
 }
 
-/// Logs and drops watch errors (API server unreachable, CRD missing); the
-/// stream's own backoff paces the retries.
-fn logged<T: Send + 'static>(
-    kind: impl Into<String>,
-    stream: impl Stream<Item = Result<T, watcher::Error>> + Send + 'static,
-) -> impl Stream<Item = Result<T, watcher::Error>> + Send + 'static {
-    let kind = kind.into();
-    stream.filter_map(move |item| {
-        futures::future::ready(match item {
-            Ok(object) => Some(Ok(object)),
-            Err(error) => {
-                tracing::warn!(kind = %kind, %error, "watch failed; retrying with backoff");
-                None
-            }
-        })
-    })
-}
-
 fn owns<K>(
     controller: Controller<InferencePolicy>,
     client: &Client,
@@ -348,9 +331,9 @@ where
 {
     // Metadata only: owner references are all a trigger needs.
     let stream = watcher(scoped::<PartialObjectMeta<K>>(client, ns), wc.clone())
-        .default_backoff()
+        .backoff(watch_backoff())
         .touched_objects();
-    controller.owns_stream(logged(K::kind(&()).into_owned(), stream))
+    controller.owns_stream(log_outages(K::kind(&()).into_owned(), stream))
 }
 
 #[cfg(test)]

@@ -6,13 +6,16 @@
 //! - [`signal`]: SIGTERM / Ctrl-C, never panicking on a failed handler;
 //! - [`admin`]: serving `/metrics`, `/healthz`, `/readyz` until shutdown;
 //! - [`supervisor`]: background tasks restarted with backoff, readiness off
-//!   while one is down.
+//!   while one is down;
+//! - [`watch`]: Kubernetes watches that recover within seconds of an
+//!   API-server outage and log it once.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod logs;
 pub mod signal;
 pub mod supervisor;
+pub mod watch;
 
 pub use logs::{LogArgs, LogFormat};
 pub use signal::shutdown_signal;
