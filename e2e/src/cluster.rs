@@ -245,6 +245,17 @@ impl TestCluster {
         self.client.clone()
     }
 
+    /// A client acting as `user` (e.g. a ServiceAccount,
+    /// `system:serviceaccount:<ns>:<name>`) through impersonation: every
+    /// request is authorized by RBAC as that user's, with no group of its own.
+    pub async fn client_as(&self, user: &str) -> Result<Client> {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig_path)?;
+        let mut config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+        config.auth_info.impersonate = Some(user.to_string());
+        Ok(Client::try_from(config)?)
+    }
+
     /// A kubeconfig for this cluster (token auth, the apiserver's own CA), for
     /// handing to a subprocess via `KUBECONFIG`.
     pub fn kubeconfig_path(&self) -> &Path {

@@ -2,8 +2,10 @@
 //! InferencePolicy into its ConfigMap; an EPP (run in-process, as its
 //! Deployment would run it) loads that ConfigMap, discovers the pool's Pods,
 //! scrapes simulated model servers at the Pods' IPs and routes an ext_proc
-//! request to one; it reports the loaded hash on its Pod and the policy turns
-//! Ready. Then the API server restarts and both keep working.
+//! request to one; it reports the loaded hash in the EPP status ConfigMap and
+//! the policy turns Ready. The EPP runs as its own ServiceAccount with only
+//! the Role the operator generated. Then the API server restarts and both
+//! keep working.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -60,6 +62,10 @@ fn chat() -> Vec<u8> {
         &json!({"model": "qwen", "messages": [{"role": "user", "content": "hello"}]}),
     )
     .unwrap()
+}
+
+fn configmaps_as(client: &kube::Client) -> Api<ConfigMap> {
+    Api::namespaced(client.clone(), NS)
 }
 
 async fn condition(
@@ -198,19 +204,33 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
         scrape_interval: Duration::from_millis(20),
         ..Settings::default()
     });
+    // The EPP as its Deployment runs it: its ServiceAccount, authorized by
+    // nothing but the operator's Role for it (no Secrets, no Pod writes).
+    let epp_client = cluster
+        .client_as(&format!("system:serviceaccount:{NS}:chat-epp"))
+        .await?;
+    let client_for_epp = epp_client.clone();
     let tasks = vec![
         tokio::spawn(k8s::watch_policy_configmap(
             epp.clone(),
-            client.clone(),
+            client_for_epp.clone(),
             NS.into(),
             "chat-policy".into(),
         )),
-        tokio::spawn(k8s::run_discovery(epp.clone(), client.clone(), NS.into())),
-        tokio::spawn(k8s::report_loaded_hash(
+        tokio::spawn(k8s::run_discovery(
             epp.clone(),
-            client.clone(),
+            client_for_epp.clone(),
             NS.into(),
-            "chat-epp-0".into(),
+        )),
+        tokio::spawn(k8s::report_status(
+            epp.clone(),
+            client_for_epp.clone(),
+            NS.into(),
+            k8s::StatusReport {
+                configmap: "chat-epp-status".into(),
+                pod: "chat-epp-0".into(),
+                secrets_dir: None,
+            },
         )),
         epp.spawn_scraper(),
     ];
@@ -232,8 +252,8 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
         (snapshot.len() == 2 && snapshot.iter().all(|v| v.metrics.is_some())).then_some(())
     })
     .await;
-    let epp_client = EppClient::connect(addr).await?;
-    let (outcome, _) = epp_client
+    let ext_proc = EppClient::connect(addr).await?;
+    let (outcome, _) = ext_proc
         .decide(&HttpRequest::post("/v1/chat/completions", chat()))
         .await?;
     let dest = outcome.destination().expect("routed to a Pod").to_string();
@@ -246,6 +266,36 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
 
     // Ready: the Deployment is available (no controller-manager here, so the
     // test writes its status) and the EPP Pod reports this policy's hash.
+    // The EPP wrote its own key, as itself, and may patch nothing else.
+    eventually("the EPP's report", || async {
+        let cm = configmaps.get("chat-epp-status").await.ok()?;
+        let report = cm.data?.get("chat-epp-0")?.clone();
+        let report = kinference_api::EppPodStatus::from_json(&report).ok()?;
+        (report.loaded_hash == hash).then_some(())
+    })
+    .await;
+    let denied = Api::<Pod>::namespaced(epp_client.clone(), NS)
+        .patch(
+            "chat-epp-0",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"x": "y"}}})),
+        )
+        .await;
+    assert!(
+        matches!(&denied, Err(kube::Error::Api(s)) if s.code == 403),
+        "the EPP may patch its Pod: {denied:?}"
+    );
+    let denied = configmaps_as(&epp_client)
+        .patch(
+            "chat-policy",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"x": "y"}})),
+        )
+        .await;
+    assert!(
+        matches!(&denied, Err(kube::Error::Api(s)) if s.code == 403),
+        "the EPP may patch its policy ConfigMap: {denied:?}"
+    );
     deployments
         .patch_status(
             "chat-epp",
@@ -273,7 +323,7 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
     // The API server goes away and comes back: the EPP keeps routing from
     // what it knows, then picks up a new Pod and a policy edit.
     cluster.restart_apiserver().await?;
-    let (outcome, _) = epp_client
+    let (outcome, _) = ext_proc
         .decide(&HttpRequest::post("/v1/chat/completions", chat()))
         .await?;
     assert!(
@@ -304,7 +354,7 @@ async fn operator_and_epp_route_a_request_to_a_discovered_pod() -> anyhow::Resul
         (p.compiled.rules[0].name == "least-running").then_some(())
     })
     .await;
-    let (outcome, _) = epp_client
+    let (outcome, _) = ext_proc
         .decide(&HttpRequest::post("/v1/chat/completions", chat()))
         .await?;
     assert_eq!(outcome.set_headers["x-kinference-rule"], "least-running");

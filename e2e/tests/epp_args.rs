@@ -5,27 +5,27 @@ use clap::Parser;
 use kinference_api::InferencePolicy;
 use kinference_epp::cli::Args;
 use kinference_operator::resources::{
-    EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, EppSettings, Names, deployment,
+    CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, EppSettings,
+    Names, PROVIDER_SECRETS_DIR, deployment,
 };
 use serde_json::json;
 
-#[test]
-fn operator_generated_epp_arguments_parse() {
+/// The arguments of the EPP container the operator generates for `spec`,
+/// parsed as `kinference-epp` parses them.
+fn generated_args(spec: serde_json::Value) -> (Args, Vec<String>) {
     let policy: InferencePolicy = serde_json::from_value(json!({
         "apiVersion": "kinference.io/v1alpha1",
         "kind": "InferencePolicy",
         "metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1"},
-        "spec": {
-            "pool": {"selector": {"app": "vllm"}, "targetPorts": [{"number": 8000}]},
-            "rules": [{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]
-        }
+        "spec": spec
     }))
     .unwrap();
     let settings = EppSettings {
         image: "epp:test".into(),
         replicas: 1,
     };
-    let d = deployment(&policy, &Names::of(&policy), &settings);
+    let compiled = kinference_policy::compile(&policy.spec.policy).unwrap();
+    let d = deployment(&policy, &Names::of(&policy), &settings, &compiled);
     let container = &d.spec.unwrap().template.spec.unwrap().containers[0];
     // The kubelet expands $(VAR) from the container's env; any value will do here.
     let args: Vec<String> = container
@@ -41,7 +41,29 @@ fn operator_generated_epp_arguments_parse() {
     let parsed =
         Args::try_parse_from(std::iter::once("kinference-epp".to_string()).chain(args.clone()))
             .unwrap_or_else(|e| panic!("the EPP rejects the operator's arguments {args:?}: {e}"));
+    (parsed, args)
+}
+
+fn minimal_spec() -> serde_json::Value {
+    json!({
+        "pool": {"selector": {"app": "vllm"}, "targetPorts": [{"number": 8000}]},
+        "rules": [{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]
+    })
+}
+
+#[test]
+fn operator_generated_epp_arguments_parse() {
+    let (parsed, args) = generated_args(minimal_spec());
     assert_eq!(parsed.policy_configmap.as_deref(), Some("chat-policy"));
+    // Reports go to the status ConfigMap, under the Pod's name.
+    assert_eq!(parsed.status_configmap.as_deref(), Some("chat-epp-status"));
+    // Provider keys from the mounted Secrets, never through the API.
+    assert_eq!(
+        parsed.provider_secrets_dir.as_deref(),
+        Some(std::path::Path::new(PROVIDER_SECRETS_DIR))
+    );
+    assert_eq!(parsed.client_ca_file, None);
+    assert!(parsed.secure_serving);
     assert_eq!(parsed.namespace, "team-a");
     assert_eq!(parsed.pod_name.as_deref(), Some("chat-epp-abc"));
     // JSON logs, the default of both binaries' shared `--log-format`; not
@@ -60,4 +82,17 @@ fn operator_generated_epp_arguments_parse() {
             EPP_METRICS_PORT as u16
         )
     );
+}
+
+#[test]
+fn a_client_ca_turns_on_client_certificates_over_tls() {
+    let mut spec = minimal_spec();
+    spec["endpointPicker"] = json!({"clientCA": {"secretName": "gateway-ca", "key": "ca.pem"}});
+    let (parsed, _) = generated_args(spec);
+    assert_eq!(
+        parsed.client_ca_file,
+        Some(std::path::Path::new(CLIENT_CA_DIR).join(CLIENT_CA_FILE))
+    );
+    // mTLS needs the TLS the EPP serves by default.
+    assert!(parsed.secure_serving);
 }

@@ -26,16 +26,15 @@ use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
-use kinference_api::InferencePolicy;
+use kinference_api::{EppPodStatus, InferencePolicy, SecretKeyStatus, epp_field_manager};
 use kinference_e2e::cluster::{TestCluster, yaml_documents_to_json};
 use kinference_operator::{Config, LeaderElectionConfig, Metrics, Requeue};
 use kube::api::{
     Api, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
     ValidationDirective,
 };
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::discovery::{Discovery, Scope};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -45,6 +44,8 @@ const OPERATOR_NS: &str = "kinference-system";
 const OPERATOR_SA: &str = "kinference-operator";
 const OPERATOR_USER: &str = "system:serviceaccount:kinference-system:kinference-operator";
 const TIMEOUT: Duration = Duration::from_secs(60);
+/// The namespace `kustomize/overlays/namespaced` installs into and manages.
+const NAMESPACED_NS: &str = "llm";
 
 // ------------------------------------------------------------------ files
 
@@ -360,6 +361,7 @@ async fn manifests_are_accepted_by_the_api_server() -> Result<()> {
         ("ClusterRoleBinding", "kinference-operator"),
         ("Deployment", "kinference-operator"),
         ("Service", "kinference-operator-metrics"),
+        ("NetworkPolicy", "kinference-operator"),
     ] {
         ensure!(
             kinds.contains(&(kind.to_string(), name.to_string())),
@@ -405,6 +407,21 @@ async fn manifests_are_accepted_by_the_api_server() -> Result<()> {
                     );
                 }
             }
+            let docs = render_overlay(&kubectl, "namespaced")?;
+            // Its namespace is the user's, not created by the overlay.
+            applier
+                .apply(
+                    &Doc {
+                        source: "test".into(),
+                        value: json!({"apiVersion": "v1", "kind": "Namespace",
+                                      "metadata": {"name": NAMESPACED_NS}}),
+                    },
+                    false,
+                )
+                .await?;
+            let n = applier.apply_all(&docs, true).await?;
+            eprintln!("kustomize/overlays/namespaced: {n} rendered objects accepted");
+            check_namespaced_overlay(&manifests, &docs)?;
         }
         None => eprintln!(
             "NOTE: kubectl not found: overlays were not rendered, only checked structurally \
@@ -443,6 +460,70 @@ async fn manifests_are_accepted_by_the_api_server() -> Result<()> {
         applier.apply(&policy, true).await.is_err(),
         "an InferencePolicy with rules: \"not-a-list\" was accepted"
     );
+    Ok(())
+}
+
+/// The namespaced overlay: nothing cluster-scoped, everything in its one
+/// namespace, the operator told to watch it, and the ClusterRole's rules as
+/// a Role, rule for rule.
+fn check_namespaced_overlay(manifests: &[Doc], docs: &[Doc]) -> Result<()> {
+    for doc in docs {
+        ensure!(
+            doc.namespace() == Some(NAMESPACED_NS),
+            "namespaced overlay: {} is not in {NAMESPACED_NS}",
+            doc.describe()
+        );
+        ensure!(
+            !matches!(
+                doc.kind(),
+                "ClusterRole" | "ClusterRoleBinding" | "Namespace" | "CustomResourceDefinition"
+            ),
+            "namespaced overlay: cluster-scoped {}",
+            doc.describe()
+        );
+    }
+    let expected: BTreeSet<(String, String)> = manifests
+        .iter()
+        .filter(|d| !matches!(d.kind(), "ClusterRole" | "ClusterRoleBinding" | "Namespace"))
+        .map(|d| (d.kind().to_string(), d.name().to_string()))
+        .chain([
+            ("Role".to_string(), OPERATOR_SA.to_string()),
+            ("RoleBinding".to_string(), OPERATOR_SA.to_string()),
+        ])
+        .collect();
+    let rendered: BTreeSet<(String, String)> = docs
+        .iter()
+        .map(|d| (d.kind().to_string(), d.name().to_string()))
+        .collect();
+    ensure!(
+        rendered == expected,
+        "namespaced overlay renders {rendered:?}, expected {expected:?}"
+    );
+    let cluster_role = find(manifests, "ClusterRole", OPERATOR_SA)?;
+    let role = find(docs, "Role", OPERATOR_SA)?;
+    ensure!(
+        cluster_role.value["rules"] == role.value["rules"],
+        "the namespaced Role's rules differ from the ClusterRole's"
+    );
+    let binding = find(docs, "RoleBinding", OPERATOR_SA)?;
+    ensure!(
+        binding.value["subjects"]
+            == json!([{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACED_NS}])
+            && binding.value["roleRef"]["kind"] == json!("Role"),
+        "namespaced overlay: {}",
+        binding.value
+    );
+    let d = find(docs, "Deployment", "kinference-operator")?;
+    let args = strings(d.value["spec"]["template"]["spec"]["containers"][0].get("args"));
+    for wanted in [
+        "--namespace=$(POD_NAMESPACE)",
+        "--leader-election-namespace=$(POD_NAMESPACE)",
+    ] {
+        ensure!(
+            args.iter().any(|a| a == wanted),
+            "namespaced overlay: {args:?}"
+        );
+    }
     Ok(())
 }
 
@@ -537,6 +618,27 @@ fn overlays_patch_what_the_base_has() -> Result<()> {
                 "overlay {overlay}: patch target {t} not in the base"
             );
         }
+    }
+    // The namespaced overlay builds on manifests/ (not the base: no CRDs)
+    // and patches what is there.
+    let namespaced = read_kustomization("kustomize/overlays/namespaced")?;
+    ensure!(
+        strings(namespaced.get("resources")) == ["../../../manifests", "rbac.yaml"],
+        "the namespaced overlay must build on manifests/ and its rbac.yaml"
+    );
+    ensure!(
+        namespaced["namespace"] == json!(NAMESPACED_NS),
+        "the namespaced overlay installs into {}",
+        namespaced["namespace"]
+    );
+    for patch in namespaced["patches"].as_array().into_iter().flatten() {
+        let t = &patch["target"];
+        let (kind, name) = (t["kind"].as_str(), t["name"].as_str());
+        ensure!(
+            docs.iter()
+                .any(|d| Some(d.kind()) == kind && Some(d.name()) == name),
+            "overlay namespaced: patch target {t} not in manifests/"
+        );
     }
     // The kind overlay is the one e2e/kind.sh installs, with the images it loads.
     let kind = read_kustomization("kustomize/overlays/kind")?;
@@ -862,6 +964,7 @@ fn object(api_version: &str, kind: &str, ns: &str, name: &str) -> Doc {
 
 async fn access_allowed(
     admin: &Client,
+    user: &str,
     verb: &str,
     group: &str,
     resource: &str,
@@ -870,7 +973,7 @@ async fn access_allowed(
 ) -> Result<bool> {
     let review = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
-            user: Some(OPERATOR_USER.into()),
+            user: Some(user.into()),
             resource_attributes: Some(ResourceAttributes {
                 verb: Some(verb.into()),
                 group: Some(group.into()),
@@ -889,41 +992,65 @@ async fn access_allowed(
     Ok(answer.status.is_some_and(|s| s.allowed))
 }
 
-/// The operator, as the manifests' ServiceAccount with only the manifests'
-/// RBAC, reconciles a policy end to end without a single failed reconcile,
-/// and the ServiceAccount is denied what the operator does not use.
-#[tokio::test]
-async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
-    let cluster = TestCluster::start().await?;
+/// Kinds the operator watches, as (API group, resource).
+const WATCHED: [(&str, &str); 12] = [
+    ("kinference.io", "inferencepolicies"),
+    ("", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "roles"),
+    ("rbac.authorization.k8s.io", "rolebindings"),
+    ("", "configmaps"),
+    ("", "services"),
+    ("apps", "deployments"),
+    ("networking.k8s.io", "networkpolicies"),
+    ("inference.networking.k8s.io", "inferencepools"),
+    ("gateway.networking.k8s.io", "httproutes"),
+    ("gateway.networking.k8s.io", "backendtlspolicies"),
+    ("", "pods"),
+];
+
+/// Installs `docs` for real, runs the operator in-process as `operator_user`
+/// (impersonated, so only the installed RBAC authorizes it), with its
+/// leader Lease in `operator_ns` and watching `watch` (None: every
+/// namespace), and drives a policy in `ns` through create (every generated
+/// object, including the provider's Service and BackendTLSPolicy and the
+/// NetworkPolicy), the EPP's report (written as the EPP's ServiceAccount,
+/// under the Role the operator generated), an update that prunes the
+/// provider, and a refused update. Asserts no failed reconcile, an Event,
+/// the Lease taken and released.
+async fn drive_a_policy_as_the_operator(
+    cluster: &TestCluster,
+    docs: &[Doc],
+    operator_user: &str,
+    operator_ns: &str,
+    watch: Option<&str>,
+    ns: &str,
+) -> Result<()> {
     let admin = cluster.client();
     let applier = Applier::new(admin.clone()).await?;
-    // For real this time: the ServiceAccount, ClusterRole and bindings.
-    applier.apply_all(&manifests()?, false).await?;
-
-    let kubeconfig = Kubeconfig::read_from(cluster.kubeconfig_path())?;
-    let mut config =
-        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
-    config.auth_info.impersonate = Some(OPERATOR_USER.into());
-    let operator_client = Client::try_from(config)?;
-    // Impersonation is in effect: the operator may not list Secrets.
-    let listed = Api::<Secret>::namespaced(operator_client.clone(), "default")
-        .list(&ListParams::default())
-        .await;
+    let namespace = |name: &str| Doc {
+        source: "test".into(),
+        value: json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+    };
+    for name in [operator_ns, ns] {
+        applier.apply(&namespace(name), false).await?;
+    }
+    // For real this time: the ServiceAccount, the roles and their bindings.
+    applier.apply_all(docs, false).await?;
+    let operator_client = cluster.client_as(operator_user).await?;
+    // Impersonation is in effect: the operator may neither list nor get
+    // Secrets.
+    let secrets = Api::<Secret>::namespaced(operator_client.clone(), ns);
+    let listed = secrets.list(&ListParams::default()).await;
     ensure!(
         matches!(&listed, Err(kube::Error::Api(s)) if s.code == 403),
         "expected 403 listing Secrets as the operator, got {listed:?}"
     );
+    let got = secrets.get("openai-key").await;
+    ensure!(
+        matches!(&got, Err(kube::Error::Api(s)) if s.code == 403),
+        "expected 403 getting a Secret as the operator, got {got:?}"
+    );
 
-    let ns = "team-rbac";
-    applier
-        .apply(
-            &Doc {
-                source: "test".into(),
-                value: json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-            },
-            false,
-        )
-        .await?;
     applier
         .apply(
             &Doc {
@@ -960,7 +1087,8 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         operator_client,
         Config {
             epp_image: "example.invalid/kinference/epp:test".into(),
-            leader_election: Some(LeaderElectionConfig::new(OPERATOR_NS, identity)),
+            namespace: watch.map(str::to_string),
+            leader_election: Some(LeaderElectionConfig::new(operator_ns, identity)),
             instance: Some(identity.into()),
             requeue: Requeue {
                 resync: Duration::from_secs(60),
@@ -981,7 +1109,6 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
     }))?;
     policies.create(&PostParams::default(), &policy).await?;
     wait_condition(&policies, "chat", "Accepted", "True").await?;
-    wait_condition(&policies, "chat", "ResolvedRefs", "True").await?;
 
     let generated = [
         object("v1", "ServiceAccount", ns, "chat-epp"),
@@ -993,8 +1120,10 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
             "chat-epp",
         ),
         object("v1", "ConfigMap", ns, "chat-policy"),
+        object("v1", "ConfigMap", ns, "chat-epp-status"),
         object("v1", "Service", ns, "chat-epp"),
         object("apps/v1", "Deployment", ns, "chat-epp"),
+        object("networking.k8s.io/v1", "NetworkPolicy", ns, "chat-epp"),
         object(
             "inference.networking.k8s.io/v1",
             "InferencePool",
@@ -1022,6 +1151,12 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         !tls.list(&ListParams::default()).await?.items.is_empty(),
         "no BackendTLSPolicy for the https provider"
     );
+
+    // The EPP's side, as its ServiceAccount with only the generated Role:
+    // its Pod reports the key found in its mounted Secret, and ResolvedRefs
+    // follows. It may not patch Pods, nor read Secrets.
+    play_the_epp(cluster, &applier, ns).await?;
+    wait_condition(&policies, "chat", "ResolvedRefs", "True").await?;
 
     // Pruning (delete): drop the provider.
     let mut current = policies.get("chat").await?;
@@ -1065,9 +1200,8 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         events.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
     );
     // The leader Lease (create, get, update).
-    let lease = Api::<Lease>::namespaced(admin.clone(), OPERATOR_NS)
-        .get("kinference-operator")
-        .await?;
+    let leases = Api::<Lease>::namespaced(admin.clone(), operator_ns);
+    let lease = leases.get("kinference-operator").await?;
     ensure!(
         lease.spec.and_then(|s| s.holder_identity).as_deref() == Some(identity),
         "the operator does not hold the Lease"
@@ -1078,9 +1212,7 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         .await
         .map_err(|e| anyhow!("operator stopped with an error: {e}"))?;
     // Released on shutdown (get + update).
-    let lease = Api::<Lease>::namespaced(admin.clone(), OPERATOR_NS)
-        .get("kinference-operator")
-        .await?;
+    let lease = leases.get("kinference-operator").await?;
     ensure!(
         lease.spec.and_then(|s| s.holder_identity).is_none(),
         "the Lease was not released"
@@ -1091,36 +1223,132 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         metrics.reconciles("error"),
         metrics.reconciles("success")
     );
+    Ok(())
+}
+
+/// What the EPP of policy `chat` in `ns` does against the API, as its
+/// ServiceAccount: its Pod (created here, no kubelet) reports the policy's
+/// hash and the provider key found under its own key of the EPP status
+/// ConfigMap. The generated Role must allow exactly that, and not patching
+/// a Pod, writing its policy ConfigMap or reading a Secret.
+async fn play_the_epp(cluster: &TestCluster, applier: &Applier, ns: &str) -> Result<()> {
+    let admin = cluster.client();
+    let deployment = applier
+        .api_for(&object("apps/v1", "Deployment", ns, "chat-epp"))?
+        .get("chat-epp")
+        .await?;
+    let labels = deployment.data["spec"]["template"]["metadata"]["labels"].clone();
+    let pod = "chat-epp-5c7d9-abcde";
+    Api::<Pod>::namespaced(admin.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": pod, "labels": labels},
+                "spec": {"containers": [{"name": "epp", "image": "example.invalid/epp:test"}]}
+            }))?,
+        )
+        .await?;
+    let hash = Api::<ConfigMap>::namespaced(admin.clone(), ns)
+        .get("chat-policy")
+        .await?
+        .data
+        .and_then(|d| d.get(kinference_api::POLICY_HASH_KEY).cloned())
+        .context("the policy hash")?;
+    let epp = cluster
+        .client_as(&format!("system:serviceaccount:{ns}:chat-epp"))
+        .await?;
+    let report = EppPodStatus {
+        loaded_hash: hash,
+        secret_keys: Some(vec![SecretKeyStatus {
+            secret: "openai-key".into(),
+            key: "apiKey".into(),
+            found: true,
+        }]),
+    };
+    let configmaps = Api::<ConfigMap>::namespaced(epp.clone(), ns);
+    configmaps
+        .patch(
+            "chat-epp-status",
+            &PatchParams {
+                field_manager: Some(epp_field_manager(pod)),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(json!({"data": {pod: report.to_json()}})),
+        )
+        .await
+        .context("the EPP reporting in its status ConfigMap")?;
+    let forbidden = |what: &str, result: Result<(), kube::Error>| {
+        ensure!(
+            matches!(&result, Err(kube::Error::Api(s)) if s.code == 403),
+            "the EPP may {what}: {result:?}"
+        );
+        Ok(())
+    };
+    let label = json!({"metadata": {"labels": {"e2e": "x"}}});
+    forbidden(
+        "patch its own Pod",
+        Api::<Pod>::namespaced(epp.clone(), ns)
+            .patch(pod, &PatchParams::default(), &Patch::Merge(&label))
+            .await
+            .map(drop),
+    )?;
+    forbidden(
+        "patch its policy ConfigMap",
+        configmaps
+            .patch(
+                "chat-policy",
+                &PatchParams::default(),
+                &Patch::Merge(&label),
+            )
+            .await
+            .map(drop),
+    )?;
+    forbidden(
+        "read a provider Secret",
+        Api::<Secret>::namespaced(epp, ns)
+            .get("openai-key")
+            .await
+            .map(drop),
+    )?;
+    Ok(())
+}
+
+/// The operator, as the manifests' ServiceAccount with only the manifests'
+/// RBAC, reconciles a policy end to end without a single failed reconcile,
+/// and the ServiceAccount is denied what the operator does not use.
+#[tokio::test]
+async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
+    let cluster = TestCluster::start().await?;
+    let admin = cluster.client();
+    let ns = "team-rbac";
+    drive_a_policy_as_the_operator(
+        &cluster,
+        &manifests()?,
+        OPERATOR_USER,
+        OPERATOR_NS,
+        None,
+        ns,
+    )
+    .await?;
 
     // What the watches need but a short run might not show.
-    let watched: [(&str, &str); 11] = [
-        ("kinference.io", "inferencepolicies"),
-        ("", "serviceaccounts"),
-        ("rbac.authorization.k8s.io", "roles"),
-        ("rbac.authorization.k8s.io", "rolebindings"),
-        ("", "configmaps"),
-        ("", "services"),
-        ("apps", "deployments"),
-        ("inference.networking.k8s.io", "inferencepools"),
-        ("gateway.networking.k8s.io", "httproutes"),
-        ("gateway.networking.k8s.io", "backendtlspolicies"),
-        ("", "pods"),
-    ];
-    for (group, resource) in watched {
+    for (group, resource) in WATCHED {
         for verb in ["list", "watch"] {
             ensure!(
-                access_allowed(&admin, verb, group, resource, "", None).await?,
+                access_allowed(&admin, OPERATOR_USER, verb, group, resource, "", None).await?,
                 "the operator may not {verb} {resource} cluster-wide"
             );
         }
     }
     // Least privilege: what the operator never does is denied.
-    let denied: [(&str, &str, &str, &str, Option<&str>); 18] = [
+    let denied: [(&str, &str, &str, &str, Option<&str>); 21] = [
+        ("get", "", "secrets", ns, Some("openai-key")),
         ("list", "", "secrets", ns, None),
         ("watch", "", "secrets", ns, None),
         ("update", "", "secrets", ns, Some("openai-key")),
         ("delete", "", "pods", ns, None),
         ("create", "", "pods", ns, None),
+        ("patch", "", "pods", ns, None),
         ("update", "apps", "deployments", ns, None),
         ("delete", "apps", "deployments", ns, None),
         ("delete", "", "configmaps", ns, None),
@@ -1138,6 +1366,7 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         ("update", "kinference.io", "inferencepolicies", ns, None),
         ("delete", "kinference.io", "inferencepolicies", ns, None),
         ("list", "gateway.networking.k8s.io", "gateways", ns, None),
+        ("update", "networking.k8s.io", "networkpolicies", ns, None),
         (
             "update",
             "coordination.k8s.io",
@@ -1155,8 +1384,63 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
     ];
     for (verb, group, resource, namespace, name) in denied {
         ensure!(
-            !access_allowed(&admin, verb, group, resource, namespace, name).await?,
+            !access_allowed(
+                &admin,
+                OPERATOR_USER,
+                verb,
+                group,
+                resource,
+                namespace,
+                name
+            )
+            .await?,
             "the operator may {verb} {group}/{resource} in {namespace:?} {name:?}: more than it needs"
+        );
+    }
+    Ok(())
+}
+
+/// The namespace-scoped install (`kustomize/overlays/namespaced`): the
+/// operator, in the namespace it manages, with a Role instead of the
+/// ClusterRole, reconciles a policy there end to end, and may do nothing in
+/// any other namespace.
+#[tokio::test]
+async fn operator_runs_with_the_namespaced_rbac() -> Result<()> {
+    let Some(kubectl) = kubectl() else {
+        eprintln!("NOTE: kubectl not found: the namespaced overlay was not rendered nor run");
+        return Ok(());
+    };
+    let docs = render_overlay(&kubectl, "namespaced")?;
+    let ns = NAMESPACED_NS;
+    let user = format!("system:serviceaccount:{ns}:{OPERATOR_SA}");
+    let cluster = TestCluster::start().await?;
+    let admin = cluster.client();
+    drive_a_policy_as_the_operator(&cluster, &docs, &user, ns, Some(ns), ns).await?;
+
+    for (group, resource) in WATCHED {
+        for verb in ["list", "watch"] {
+            ensure!(
+                access_allowed(&admin, &user, verb, group, resource, ns, None).await?,
+                "the operator may not {verb} {resource} in {ns}"
+            );
+            ensure!(
+                !access_allowed(&admin, &user, verb, group, resource, "", None).await?,
+                "the namespaced operator may {verb} {resource} cluster-wide"
+            );
+            ensure!(
+                !access_allowed(&admin, &user, verb, group, resource, "default", None).await?,
+                "the namespaced operator may {verb} {resource} in another namespace"
+            );
+        }
+    }
+    for (verb, group, resource, name) in [
+        ("get", "", "secrets", Some("openai-key")),
+        ("patch", "", "pods", None),
+        ("escalate", "rbac.authorization.k8s.io", "roles", None),
+    ] {
+        ensure!(
+            !access_allowed(&admin, &user, verb, group, resource, ns, name).await?,
+            "the namespaced operator may {verb} {resource}"
         );
     }
     Ok(())

@@ -4,8 +4,9 @@
 //! (`kinference_operator::spawn`).
 //!
 //! Because nothing else runs, the tests play the missing parts themselves:
-//! they write the EPP Deployment's status (availableReplicas) and create the
-//! EPP Pod, annotated with the policy hash it "loaded", as an EPP would.
+//! they write the EPP Deployment's status (availableReplicas), create the EPP
+//! Pod, and write its report (the policy hash it "loaded", the provider keys
+//! it "found") into the EPP status ConfigMap, as an EPP would.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -15,13 +16,15 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
 use kinference_api::{
-    InferencePolicy, InferencePolicySpec, LOADED_HASH_ANNOTATION, POLICY_HASH_KEY, POLICY_KEY,
-    POLICY_LABEL,
+    EppPodStatus, InferencePolicy, InferencePolicySpec, POLICY_HASH_KEY, POLICY_KEY, POLICY_LABEL,
+    SecretKeyStatus, epp_field_manager,
 };
 use kinference_e2e::cluster::TestCluster;
+use kinference_operator::leader::LeaseLock;
 use kinference_operator::{Config, LeaderElectionConfig, Metrics, OperatorHandle, Requeue};
 use kinference_policy::PolicySpec;
 use kube::api::{
@@ -47,7 +50,7 @@ fn test_config(metrics: &Metrics) -> Config {
         epp_image: "example.invalid/kinference/epp:test".into(),
         requeue: Requeue {
             resync: Duration::from_secs(60),
-            // Secrets and Gateways are not watched: notice them quickly.
+            // Gateways are not watched: notice them quickly.
             pending: Duration::from_millis(500),
             error: Duration::from_millis(500),
         },
@@ -190,10 +193,7 @@ fn valid_spec() -> Value {
 
 fn policy(name: &str, spec: Value) -> Result<InferencePolicy> {
     let spec: PolicySpec = serde_json::from_value(spec)?;
-    Ok(InferencePolicy::new(
-        name,
-        InferencePolicySpec { policy: spec },
-    ))
+    Ok(InferencePolicy::new(name, InferencePolicySpec::new(spec)))
 }
 
 fn hash_of(spec: &Value) -> Result<String> {
@@ -306,20 +306,20 @@ async fn wait_reconciles(metrics: &Metrics, start: u64, n: u64) -> Result<()> {
     .await
 }
 
-/// The EPP Pod a Deployment would create, annotated as an EPP that loaded
-/// `hash` would annotate itself.
-async fn create_epp_pod(client: &Client, policy: &str, hash: &str) -> Result<()> {
+/// The name the test gives the one EPP Pod of `policy`.
+fn epp_pod(policy: &str) -> String {
+    format!("{policy}-epp-7d9f8-x2x4q")
+}
+
+/// The EPP Pod a Deployment would create: the template's labels, no report.
+async fn create_epp_pod(client: &Client, policy: &str) -> Result<()> {
     let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
         .get(&format!("{policy}-epp"))
         .await?;
     let template = deployment.spec.context("spec")?.template;
     let labels = template.metadata.and_then(|m| m.labels).unwrap_or_default();
     let pod: Pod = serde_json::from_value(json!({
-        "metadata": {
-            "name": format!("{policy}-epp-7d9f8-x2x4q"),
-            "labels": labels,
-            "annotations": {LOADED_HASH_ANNOTATION: hash}
-        },
+        "metadata": {"name": epp_pod(policy), "labels": labels},
         "spec": {"containers": [{"name": "epp", "image": "example.invalid/kinference/epp:test"}]}
     }))?;
     Api::<Pod>::namespaced(client.clone(), NS)
@@ -328,15 +328,71 @@ async fn create_epp_pod(client: &Client, policy: &str, hash: &str) -> Result<()>
     Ok(())
 }
 
-async fn annotate_epp_pod(client: &Client, policy: &str, hash: &str) -> Result<()> {
-    Api::<Pod>::namespaced(client.clone(), NS)
+/// Writes Pod `pod`'s report into `policy`'s EPP status ConfigMap exactly as
+/// the EPP does (`kinference_epp::k8s::report_status`): a merge patch of
+/// its own key, under its own field manager. `keys`: (Secret, key, found).
+async fn report(
+    client: &Client,
+    policy: &str,
+    pod: &str,
+    hash: &str,
+    keys: &[(&str, &str, bool)],
+) -> Result<()> {
+    let status = EppPodStatus {
+        loaded_hash: hash.to_string(),
+        secret_keys: Some(
+            keys.iter()
+                .map(|(secret, key, found)| SecretKeyStatus {
+                    secret: secret.to_string(),
+                    key: key.to_string(),
+                    found: *found,
+                })
+                .collect(),
+        ),
+    };
+    Api::<ConfigMap>::namespaced(client.clone(), NS)
         .patch(
-            &format!("{policy}-epp-7d9f8-x2x4q"),
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {LOADED_HASH_ANNOTATION: hash}}})),
+            &format!("{policy}-epp-status"),
+            &PatchParams {
+                field_manager: Some(epp_field_manager(pod)),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(json!({"data": {pod: status.to_json()}})),
         )
         .await?;
     Ok(())
+}
+
+/// The Secrets projected into the EPP Pods.
+fn projected_secrets(deployment: &Deployment) -> Vec<String> {
+    let value = serde_json::to_value(deployment).unwrap_or_default();
+    value["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|v| v["name"] == "provider-secrets")
+        .flat_map(|v| {
+            v["projected"]["sources"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|s| s["secret"]["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Both provider keys of [`valid_spec`] found.
+const KEYS_FOUND: &[(&str, &str, bool)] = &[
+    ("openai-key", "apiKey", true),
+    ("proxy-token", "apiKey", true),
+];
+
+/// The data keys of `policy`'s EPP status ConfigMap.
+async fn status_keys(client: &Client, policy: &str) -> Result<Vec<String>> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get(&format!("{policy}-epp-status"))
+        .await?;
+    Ok(cm.data.unwrap_or_default().into_keys().collect())
 }
 
 /// Plays the Deployment controller: one available replica.
@@ -410,19 +466,18 @@ async fn policy_lifecycle() -> Result<()> {
     assert_eq!(status.rules, Some(2));
     assert_eq!(status.policy_hash.as_deref(), Some(hash.as_str()));
 
-    // The proxy-token Secret and the Gateway do not exist yet.
+    // The Gateway does not exist yet, and no EPP has said whether the
+    // provider keys do: the operator cannot read Secrets itself.
     let refs = condition(&p, "ResolvedRefs").context("ResolvedRefs")?;
     assert_eq!(
         (refs.status.as_str(), refs.reason.as_str()),
-        ("False", "SecretNotFound"),
+        ("False", "GatewayNotFound"),
         "{refs:?}"
     );
-    assert!(refs.message.contains("proxy-token"), "{}", refs.message);
-    assert!(!refs.message.contains("openai-key"), "{}", refs.message);
-    assert!(
-        refs.message.contains("team-a/inference-gateway"),
-        "{}",
-        refs.message
+    assert_eq!(
+        refs.message,
+        "Gateway not found: team-a/inference-gateway; not reported by an EPP Pod yet: \
+         openai-key (key apiKey), proxy-token (key apiKey)"
     );
     let ready = condition(&p, "Ready").context("Ready")?;
     assert_eq!(
@@ -538,7 +593,15 @@ async fn policy_lifecycle() -> Result<()> {
         "{args:?}"
     );
     assert!(args.contains(&format!("--namespace={NS}")), "{args:?}");
+    assert!(
+        args.contains(&"--status-configmap=chat-epp-status".to_string()),
+        "{args:?}"
+    );
     assert_eq!(pod_spec.service_account_name.as_deref(), Some("chat-epp"));
+    assert_eq!(
+        projected_secrets(&deployment),
+        ["openai-key", "proxy-token"]
+    );
 
     let sa = Api::<ServiceAccount>::namespaced(client.clone(), NS)
         .get("chat-epp")
@@ -548,16 +611,38 @@ async fn policy_lifecycle() -> Result<()> {
         .get("chat-epp")
         .await?;
     assert_owned(&role.metadata, &p);
-    let secret_rule = role
-        .rules
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .find(|r| r.resources.as_deref() == Some(&["secrets".to_string()]))
-        .context("secrets rule")?;
+    // Nothing on Secrets (they are mounted), and the one write is a patch of
+    // the EPP status ConfigMap.
     assert_eq!(
-        secret_rule.resource_names,
-        Some(vec!["openai-key".into(), "proxy-token".into()])
+        serde_json::to_value(&role.rules)?,
+        json!([
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["chat-policy"],
+             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["chat-epp-status"],
+             "verbs": ["patch"]}
+        ])
+    );
+    let status_cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("chat-epp-status")
+        .await?;
+    assert_owned(&status_cm.metadata, &p);
+    assert_eq!(status_cm.data, None, "the operator writes no report");
+    let np = Api::<NetworkPolicy>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    assert_owned(&np.metadata, &p);
+    let np_spec = serde_json::to_value(np.spec.context("spec")?)?;
+    assert_eq!(
+        np_spec["ingress"][0]["ports"],
+        json!([{"port": 9002, "protocol": "TCP"}])
+    );
+    assert_eq!(
+        np_spec["ingress"][0]["from"][0],
+        json!({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
+            "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}}
+        })
     );
     let binding = Api::<RoleBinding>::namespaced(client.clone(), NS)
         .get("chat-epp")
@@ -565,14 +650,41 @@ async fn policy_lifecycle() -> Result<()> {
     assert_owned(&binding.metadata, &p);
     assert_eq!(binding.role_ref.name, "chat-epp");
 
-    // --- References appear: ResolvedRefs flips (Secrets and Gateways are
-    // polled, not watched).
+    // --- An EPP Pod starts with an older policy loaded and reports the
+    // keys it finds in its mounted Secrets: proxy-token is missing.
+    create_epp_pod(&client, "chat").await?;
+    let old_hash = "0".repeat(64);
+    report(
+        &client,
+        "chat",
+        &epp_pod("chat"),
+        &old_hash,
+        &[
+            ("openai-key", "apiKey", true),
+            ("proxy-token", "apiKey", false),
+        ],
+    )
+    .await?;
+    let refs = eventually("ResolvedRefs=False/SecretNotFound", async || {
+        let p = policies.get("chat").await?;
+        Ok(condition(&p, "ResolvedRefs").filter(|c| c.reason == "SecretNotFound"))
+    })
+    .await?;
+    assert_eq!(
+        refs.message,
+        "Secret key missing or empty in namespace team-a: proxy-token (key apiKey); \
+         Gateway not found: team-a/inference-gateway"
+    );
+
+    // --- References appear: ResolvedRefs flips. The Gateway is polled; the
+    // key arrives with the EPP's report (a watched ConfigMap).
     create_secret(&client, "proxy-token", "apiKey").await?;
     create_gateway(&client, "inference-gateway").await?;
+    report(&client, "chat", &epp_pod("chat"), &old_hash, KEYS_FOUND).await?;
     let (_, refs) = wait_condition(&policies, "chat", "ResolvedRefs", "True").await?;
     assert_eq!(refs.reason, "ResolvedRefs");
 
-    // --- Ready: the Deployment becomes available, then an EPP Pod reports
+    // --- Ready: the Deployment becomes available, then the EPP Pod reports
     // the accepted hash.
     make_epp_available(&client, "chat").await?;
     let (_, ready) = eventually("Ready=False/PolicyNotLoaded", async || {
@@ -583,7 +695,12 @@ async fn policy_lifecycle() -> Result<()> {
     })
     .await?;
     assert_eq!(ready.status, "False");
-    create_epp_pod(&client, "chat", &hash).await?;
+    assert!(
+        ready.message.contains("(loaded: 000000000000)"),
+        "{}",
+        ready.message
+    );
+    report(&client, "chat", &epp_pod("chat"), &hash, KEYS_FOUND).await?;
     let (_, ready) = wait_condition(&policies, "chat", "Ready", "True").await?;
     assert_eq!(ready.reason, "Ready");
     assert!(ready.message.contains(&hash[..12]), "{}", ready.message);
@@ -592,7 +709,7 @@ async fn policy_lifecycle() -> Result<()> {
     // objects (server-side apply of identical content is a no-op that keeps
     // resourceVersion) and not the status.
     let before = settled_versions(&client, "chat").await?;
-    assert_eq!(before.len(), 12, "{before:#?}");
+    assert_eq!(before.len(), 14, "{before:#?}");
     let start = metrics.reconciles("success");
     // Touching the policy's metadata triggers a reconcile without a new
     // generation.
@@ -696,10 +813,10 @@ async fn policy_lifecycle() -> Result<()> {
         .clone();
     assert_eq!(rules.len(), 2, "{rules:#?}");
     assert!(!serde_json::to_string(&rules)?.contains("provider/internal"));
-    let role = Api::<Role>::namespaced(client.clone(), NS)
+    let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
         .get("chat-epp")
         .await?;
-    assert!(!serde_json::to_string(&role.rules)?.contains("proxy-token"));
+    assert_eq!(projected_secrets(&deployment), ["openai-key"]);
     let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
         .get("chat-policy")
         .await?;
@@ -716,7 +833,7 @@ async fn policy_lifecycle() -> Result<()> {
         p.status.context("status")?.policy_hash.as_deref(),
         Some(new_hash.as_str())
     );
-    annotate_epp_pod(&client, "chat", &new_hash).await?;
+    report(&client, "chat", &epp_pod("chat"), &new_hash, KEYS_FOUND).await?;
     wait_condition(&policies, "chat", "Ready", "True").await?;
 
     // --- Restart the operator: the new instance reconciles everything once
@@ -757,7 +874,7 @@ async fn policy_lifecycle() -> Result<()> {
             .map(|_| ()))
     })
     .await?;
-    annotate_epp_pod(&client, "chat", &v2_hash).await?;
+    report(&client, "chat", &epp_pod("chat"), &v2_hash, KEYS_FOUND).await?;
     wait_condition(&policies, "chat", "Ready", "True").await?;
 
     // Events were published for the state changes.
@@ -797,7 +914,7 @@ async fn policy_lifecycle() -> Result<()> {
         );
         owned += 1;
     }
-    assert_eq!(owned, 11);
+    assert_eq!(owned, 13);
     operator.stop().await?;
     Ok(())
 }
@@ -811,6 +928,7 @@ fn generated_apis(client: &Client) -> Vec<(&'static str, Api<DynamicObject>)> {
         ("ConfigMap", erased::<ConfigMap>(client)),
         ("Service", erased::<Service>(client)),
         ("Deployment", erased::<Deployment>(client)),
+        ("NetworkPolicy", erased::<NetworkPolicy>(client)),
         ("InferencePool", pools(client)),
         ("HTTPRoute", routes(client)),
         ("BackendTLSPolicy", tls_policies(client)),
@@ -986,5 +1104,204 @@ async fn only_the_leader_reconciles_and_hands_over_on_shutdown() -> Result<()> {
     wait_condition(&policies, "second", "Accepted", "True").await?;
     assert!(b_metrics.reconciles_total() > 0);
     b.stop().await?;
+    Ok(())
+}
+
+/// The EPP status ConfigMap is shared: the operator applies it (without
+/// `data`), each EPP Pod patches its own key. The operator's applies never
+/// take or drop a Pod's key, the keys of Pods that are gone are deleted, and
+/// only a live Pod's report makes the policy Ready.
+#[tokio::test]
+async fn epp_reports_outlive_the_operators_applies_and_go_with_their_pods() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let mut spec = valid_spec();
+    spec["providers"] = json!([]);
+    spec["rules"].as_array_mut().context("rules")?.remove(0);
+    let hash = hash_of(&spec)?;
+    policies
+        .create(&PostParams::default(), &policy("chat", spec)?)
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    make_epp_available(&client, "chat").await?;
+    create_epp_pod(&client, "chat").await?;
+    let live = epp_pod("chat");
+    report(&client, "chat", &live, &hash, &[]).await?;
+    // A Pod that no longer exists (deleted while the operator was down).
+    report(&client, "chat", "chat-epp-7d9f8-gone1", &hash, &[]).await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+    eventually("the gone Pod's key deleted", async || {
+        Ok((status_keys(&client, "chat").await? == [live.clone()]).then_some(()))
+    })
+    .await?;
+
+    // Reconciles re-apply the ConfigMap: the Pod's key stays, owned by the
+    // Pod's field manager alone.
+    let start = metrics.reconciles("success");
+    policies
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"e2e/touch": "1"}}})),
+        )
+        .await?;
+    wait_reconciles(&metrics, start, 1).await?;
+    operator.stop().await?;
+    let (operator, metrics) = start_operator(&client);
+    wait_reconciles(&metrics, 0, 1).await?;
+    assert_eq!(
+        status_keys(&client, "chat").await?,
+        std::slice::from_ref(&live)
+    );
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("chat-epp-status")
+        .await?;
+    let owners: Vec<(String, String)> = cm
+        .metadata
+        .managed_fields
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| {
+            let fields = serde_json::to_string(&m.fields_v1).unwrap_or_default();
+            (m.manager.unwrap_or_default(), fields)
+        })
+        .collect();
+    for (manager, fields) in &owners {
+        let owns_data = fields.contains("f:data");
+        assert_eq!(
+            owns_data,
+            *manager == epp_field_manager(&live),
+            "{manager} owns {fields}"
+        );
+    }
+    assert!(
+        owners.iter().any(|(m, _)| m == "kinference-operator"),
+        "{owners:?}"
+    );
+
+    // The Pod goes: its report no longer counts, and its key is deleted.
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .delete(&live, &DeleteParams::default().grace_period(0))
+        .await?;
+    let (_, ready) = wait_condition(&policies, "chat", "Ready", "False").await?;
+    assert_eq!(ready.reason, "PolicyNotLoaded");
+    eventually("the deleted Pod's key deleted", async || {
+        Ok(status_keys(&client, "chat").await?.is_empty().then_some(()))
+    })
+    .await?;
+    operator.stop().await?;
+    Ok(())
+}
+
+/// `spec.endpointPicker`: disabling the NetworkPolicy deletes it, and a
+/// client CA mounts its Secret into the EPP and turns on `--client-ca-file`.
+#[tokio::test]
+async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("chat", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), NS);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    ensure!(
+        nps.get_opt("chat-epp").await?.is_some(),
+        "no NetworkPolicy by default"
+    );
+
+    policies
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"endpointPicker": {
+                "networkPolicy": {"enabled": false},
+                "clientCA": {"secretName": "gateway-client-ca"}
+            }}})),
+        )
+        .await?;
+    eventually("the NetworkPolicy deleted", async || {
+        Ok(nps.get_opt("chat-epp").await?.is_none().then_some(()))
+    })
+    .await?;
+    let pod_spec = eventually("the client CA mounted", async || {
+        let d = deployments.get("chat-epp").await?;
+        let pod = d.spec.and_then(|s| s.template.spec).context("pod spec")?;
+        let mounted = pod.volumes.iter().flatten().any(|v| {
+            v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("gateway-client-ca")
+        });
+        Ok(mounted.then_some(pod))
+    })
+    .await?;
+    let args = pod_spec.containers[0].args.clone().unwrap_or_default();
+    assert!(
+        args.contains(&"--client-ca-file=/etc/kinference/client-ca/ca.crt".to_string()),
+        "{args:?}"
+    );
+    // Not part of the policy: the hash the EPP serves does not move.
+    let p = policies.get("chat").await?;
+    assert_eq!(
+        p.status.and_then(|s| s.policy_hash),
+        Some(hash_of(&valid_spec())?)
+    );
+    operator.stop().await?;
+    Ok(())
+}
+
+/// What leader election rests on, and why it is not delegated to the
+/// `kube-leader-election` crate (whose acquire and renew are merge patches
+/// without a resourceVersion): candidates racing for a free Lease in the
+/// same instant never both win it, because each write is a `replace`
+/// guarded by the resourceVersion it read.
+#[tokio::test]
+async fn racing_candidates_never_both_win_a_round() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, "kinference-system").await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kinference-system");
+    for round in 0..5 {
+        // All candidates read the free Lease (none at all in round 0,
+        // released afterwards) and write at once.
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(4));
+        let mut race = tokio::task::JoinSet::new();
+        for i in 0..4 {
+            let mut lock = LeaseLock::new(
+                client.clone(),
+                LeaderElectionConfig::new("kinference-system", format!("c{round}-{i}")),
+            );
+            let start = start.clone();
+            race.spawn(async move {
+                start.wait().await;
+                let won = lock.try_acquire_or_renew().await;
+                (lock, won)
+            });
+        }
+        let mut winners = Vec::new();
+        while let Some(joined) = race.join_next().await {
+            let (lock, won) = joined?;
+            if won.with_context(|| lock.identity().to_string())? {
+                winners.push(lock);
+            }
+        }
+        let names: Vec<&str> = winners.iter().map(|l| l.identity()).collect();
+        ensure!(winners.len() == 1, "round {round}: winners {names:?}");
+        let holder = leases
+            .get("kinference-operator")
+            .await?
+            .spec
+            .and_then(|s| s.holder_identity);
+        ensure!(
+            holder.as_deref() == Some(winners[0].identity()),
+            "round {round}: {holder:?}"
+        );
+        winners[0].release().await?;
+    }
     Ok(())
 }

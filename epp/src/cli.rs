@@ -25,9 +25,14 @@ pub struct Args {
     /// gRPC health port.
     #[arg(long, default_value_t = 9003)]
     pub grpc_health_port: u16,
-    /// HTTP port for /metrics, /healthz, /readyz, /debug/explain.
+    /// HTTP port for /metrics, /healthz, /readyz.
     #[arg(long, default_value_t = 9090)]
     pub metrics_port: u16,
+    /// Serve /debug/explain (recent decisions, client values digested) and
+    /// /debug/policy on 127.0.0.1 at this port only, for `kubectl
+    /// port-forward`. Off unless set.
+    #[arg(long, value_name = "PORT")]
+    pub debug_port: Option<u16>,
     /// ConfigMap holding the compiled policy (watched through the API).
     #[arg(long, conflicts_with = "policy_file")]
     pub policy_configmap: Option<String>,
@@ -37,9 +42,15 @@ pub struct Args {
     /// Namespace of the pool, its ConfigMap and Secrets.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,
-    /// This Pod's name, to report the loaded policy hash on it.
+    /// This Pod's name: the key it reports its loaded policy hash under in
+    /// `--status-configmap`.
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
+    /// ConfigMap to report the loaded policy hash (and, with
+    /// `--provider-secrets-dir`, which provider keys were found) in, under
+    /// this Pod's name; the operator's Ready condition reads it.
+    #[arg(long, value_name = "NAME")]
+    pub status_configmap: Option<String>,
     /// Provider API keys from files laid out as mounted Secrets are,
     /// `DIR/<secret-name>/<key>`, instead of watching the Secrets through the
     /// API. Re-read when the policy changes and every few seconds.
@@ -77,6 +88,11 @@ pub struct Args {
     /// EPP's default); `--secure-serving=false` for plaintext.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub secure_serving: bool,
+    /// Require a client certificate on the ext_proc port, signed by a CA in
+    /// this PEM file (mTLS): a client without one is refused during the TLS
+    /// handshake. Needs `--secure-serving` (the default). Read at start.
+    #[arg(long, value_name = "PATH")]
+    pub client_ca_file: Option<PathBuf>,
     // `--log-format json|text`, the same flag as the operator's.
     #[command(flatten)]
     pub logs: LogArgs,
@@ -161,6 +177,24 @@ mod tests {
         let help = Args::command().render_long_help().to_string();
         assert!(help.contains("--log-format"), "{help}");
         assert!(!help.contains("--text-logs"), "{help}");
+    }
+
+    #[test]
+    fn client_ca_file_and_status_configmap_parse() {
+        let args = parse(&[]).unwrap();
+        assert_eq!((args.client_ca_file, args.status_configmap), (None, None));
+        let args = parse(&[
+            "--client-ca-file",
+            "/etc/kinference/client-ca/ca.crt",
+            "--pod-name=chat-epp-0",
+            "--status-configmap=chat-epp-status",
+        ])
+        .unwrap();
+        assert_eq!(
+            args.client_ca_file.as_deref(),
+            Some(std::path::Path::new("/etc/kinference/client-ca/ca.crt"))
+        );
+        assert_eq!(args.status_configmap.as_deref(), Some("chat-epp-status"));
     }
 
     #[test]

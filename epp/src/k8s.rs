@@ -1,13 +1,16 @@
 //! The EPP's Kubernetes side: its policy ConfigMap, provider Secrets, Pod
-//! discovery for the policy's pool, and reporting the loaded policy hash on
-//! its own Pod (the operator's Ready condition reads it).
+//! discovery for the policy's pool, and reporting what it has loaded in its
+//! policy's EPP status ConfigMap (the operator's Ready and ResolvedRefs
+//! conditions read it).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::time::Duration;
 
+use backon::{BackoffBuilder as _, ExponentialBuilder};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
-use kinference_api::{LOADED_HASH_ANNOTATION, POLICY_KEY};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kinference_api::{EppPodStatus, POLICY_KEY, SecretKeyStatus, epp_field_manager};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
@@ -15,7 +18,9 @@ use kube::runtime::watcher;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::endpoints::run_pod_discovery;
-use crate::provider_keys::{SecretCache, SharedSecretCache, current_key_refs, secret_names};
+use crate::provider_keys::{
+    SecretCache, SharedSecretCache, current_key_refs, load_from_dir, secret_names,
+};
 use crate::server::Epp;
 
 /// Watches the policy ConfigMap and loads each version; a bad one is refused
@@ -170,26 +175,124 @@ fn is_forbidden(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(s) if s.is_forbidden())
 }
 
-/// Writes the loaded policy hash onto this EPP's Pod whenever it changes.
-pub async fn report_loaded_hash(epp: Epp, client: Client, namespace: String, pod: String) {
-    let api: Api<Pod> = Api::namespaced(client, &namespace);
+/// Where this EPP Pod reports: its key `pod` in the ConfigMap `configmap`.
+#[derive(Debug, Clone)]
+pub struct StatusReport {
+    pub configmap: String,
+    pub pod: String,
+    /// `--provider-secrets-dir`: when set, the report says which provider
+    /// keys were found there. Through the API the EPP cannot tell a Secret
+    /// it may not read from one that is missing, so it reports none.
+    pub secrets_dir: Option<PathBuf>,
+}
+
+/// How often the report is checked again without a policy change: mounted
+/// Secrets change without notice, and a key someone deleted comes back.
+pub const STATUS_RECHECK: Duration = Duration::from_secs(5);
+/// Rewrites an unchanged report this often, in case the ConfigMap was
+/// recreated (a merge patch of unchanged data writes nothing).
+pub const STATUS_REASSERT: Duration = Duration::from_secs(60);
+
+/// Keeps this Pod's entry in the EPP status ConfigMap current: the policy
+/// hash it has loaded and, with a secrets dir, which provider keys it has.
+/// A merge patch of its own key only, under its own field manager, so Pods
+/// never overwrite each other and the operator's apply (which sets no
+/// `data`) never removes them. The Role allows `patch` on that one
+/// ConfigMap and nothing else. Failed writes are retried with jittered
+/// exponential backoff, each retry with the newest report.
+pub async fn report_status(epp: Epp, client: Client, namespace: String, target: StatusReport) {
+    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let params = PatchParams {
+        field_manager: Some(epp_field_manager(&target.pod)),
+        ..PatchParams::default()
+    };
     let mut changes = epp.policy().subscribe();
+    let mut written: Option<(EppPodStatus, tokio::time::Instant)> = None;
+    let mut backoff = retry_backoff();
+    let mut failures = 0u32;
     loop {
-        let hash = changes.borrow_and_update().clone();
-        if let Some(hash) = hash {
-            let patch = serde_json::json!({ "metadata": { "annotations": { LOADED_HASH_ANNOTATION: hash } } });
-            let mut attempt = 0u32;
-            while let Err(error) = api
-                .patch(&pod, &PatchParams::default(), &Patch::Merge(&patch))
+        let report = current_status(&epp, target.secrets_dir.clone()).await;
+        let due = report.as_ref().is_some_and(|r| {
+            written
+                .as_ref()
+                .is_none_or(|(w, at)| w != r || at.elapsed() >= STATUS_REASSERT)
+        });
+        let mut wait = STATUS_RECHECK;
+        if let (true, Some(report)) = (due, report) {
+            let patch = serde_json::json!({ "data": { target.pod.as_str(): report.to_json() } });
+            match api
+                .patch(&target.configmap, &params, &Patch::Merge(&patch))
                 .await
             {
-                attempt += 1;
-                tracing::warn!(%error, pod = %pod, attempt, "cannot report the loaded policy hash; retrying");
-                tokio::time::sleep(Duration::from_millis(500 * u64::from(attempt.min(10)))).await;
+                Ok(_) => {
+                    if failures > 0 {
+                        tracing::info!(configmap = %target.configmap, failures, "reported the loaded policy again");
+                    }
+                    tracing::debug!(configmap = %target.configmap, hash = %report.loaded_hash, "reported status");
+                    written = Some((report, tokio::time::Instant::now()));
+                    backoff = retry_backoff();
+                    failures = 0;
+                }
+                Err(error) => {
+                    failures += 1;
+                    wait = backoff.next().unwrap_or(STATUS_RECHECK);
+                    tracing::warn!(%error, configmap = %target.configmap, pod = %target.pod, failures, retry_in = ?wait, "cannot report the loaded policy hash; retrying");
+                }
             }
         }
-        if changes.changed().await.is_err() {
-            return;
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// 0.5 s doubling to 30 s, each delay jittered so that the EPP Pods of a
+/// Deployment do not retry in step after an API server outage.
+fn retry_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(30))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// This Pod's report now; None before a policy is loaded.
+async fn current_status(epp: &Epp, secrets_dir: Option<PathBuf>) -> Option<EppPodStatus> {
+    let loaded_hash = epp.policy().loaded_hash()?;
+    let secret_keys = match secrets_dir {
+        None => None,
+        Some(dir) => {
+            let refs = current_key_refs(epp);
+            // Files: off the async threads, as the key loader reads them.
+            let checked = tokio::task::spawn_blocking(move || {
+                let missing: BTreeSet<(String, String)> = load_from_dir(&dir, &refs)
+                    .missing
+                    .into_iter()
+                    .map(|m| (m.key_ref.secret, m.key_ref.key))
+                    .collect();
+                refs.into_iter()
+                    .map(|r| SecretKeyStatus {
+                        found: !missing.contains(&(r.secret.clone(), r.key.clone())),
+                        secret: r.secret,
+                        key: r.key,
+                    })
+                    .collect::<BTreeSet<_>>()
+            })
+            .await;
+            match checked {
+                Ok(keys) => Some(keys.into_iter().collect()),
+                Err(error) => {
+                    tracing::warn!(%error, "checking the provider keys failed");
+                    return None;
+                }
+            }
+        }
+    };
+    Some(EppPodStatus {
+        loaded_hash,
+        secret_keys,
+    })
 }

@@ -10,8 +10,8 @@ use kinference_epp::cli::Args;
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
-use kinference_epp::provider_keys;
 use kinference_epp::server::{Epp, Settings, bind};
+use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
 /// How long in-flight ext_proc streams get to finish after SIGTERM.
@@ -36,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         secure_serving: args.secure_serving,
+        client_ca_pem: client_ca_pem(&args)?,
         ..Settings::default()
     });
     // Every background task runs supervised: one that stops (returns or
@@ -45,7 +46,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(path) = args.policy_file.clone() {
         let epp = epp.clone();
         tasks.spawn("policy-file", move || {
-            AbortOnDrop::new(epp.watch_policy_file(path.clone(), Duration::from_secs(1)))
+            AbortOnDrop::new(policy_file::watch(epp.policy().clone(), path.clone()))
         });
     }
     if let Some(dir) = args.provider_secrets_dir.clone() {
@@ -87,11 +88,22 @@ async fn main() -> anyhow::Result<()> {
                 k8s::watch_provider_secrets(epp.clone(), client.clone(), ns.clone())
             });
         }
-        if let Some(pod) = args.pod_name.clone() {
-            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
-            tasks.spawn("hash-report", move || {
-                k8s::report_loaded_hash(epp.clone(), client.clone(), ns.clone(), pod.clone())
-            });
+        match (args.status_configmap.clone(), args.pod_name.clone()) {
+            (Some(configmap), Some(pod)) => {
+                let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+                let target = k8s::StatusReport {
+                    configmap,
+                    pod,
+                    secrets_dir: args.provider_secrets_dir.clone(),
+                };
+                tasks.spawn("status-report", move || {
+                    k8s::report_status(epp.clone(), client.clone(), ns.clone(), target.clone())
+                });
+            }
+            (Some(_), None) => tracing::warn!(
+                "--status-configmap needs --pod-name (or POD_NAME): the loaded policy is not reported"
+            ),
+            (None, _) => {}
         }
     }
     {
@@ -105,6 +117,11 @@ async fn main() -> anyhow::Result<()> {
         bind(at(args.grpc_health_port)).await?,
         bind(at(args.metrics_port)).await?,
     );
+    // Loopback only, whatever --bind-address says: see `--debug-port`.
+    let debug = match args.debug_port {
+        Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
+        None => None,
+    };
     tracing::info!(
         address = %args.bind_address,
         grpc = args.grpc_port,
@@ -128,6 +145,7 @@ async fn main() -> anyhow::Result<()> {
                 epp.serve_ext_proc(grpc, stopped()),
                 epp.serve_health(health, stopped()),
                 epp.serve_http(http, stopped()),
+                epp.serve_debug(debug, stopped()),
             )
         }
     });
@@ -156,6 +174,21 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The `--client-ca-file` PEM, read once at start so a bad path fails here
+/// and not at the first connection.
+fn client_ca_pem(args: &Args) -> anyhow::Result<Option<String>> {
+    let Some(path) = &args.client_ca_file else {
+        return Ok(None);
+    };
+    anyhow::ensure!(
+        args.secure_serving,
+        "--client-ca-file needs TLS on the ext_proc port: drop --secure-serving=false"
+    );
+    let pem = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --client-ca-file {}", path.display()))?;
+    Ok(Some(pem))
 }
 
 #[cfg(test)]

@@ -3,7 +3,6 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,6 +43,11 @@ pub struct Settings {
     /// Serve ext_proc over TLS with a self-signed certificate (ALPN h2), as
     /// the reference EPP does by default; gateways skip verification.
     pub secure_serving: bool,
+    /// With `secure_serving`: CA certificates (PEM) a client certificate
+    /// must chain to. A client without a valid one is refused in the TLS
+    /// handshake, so it never reaches ext_proc (nor the provider keys in its
+    /// answers).
+    pub client_ca_pem: Option<String>,
 }
 
 impl Default for Settings {
@@ -54,6 +58,7 @@ impl Default for Settings {
             scrape_interval: Duration::from_millis(50),
             scrape_timeout: Duration::from_millis(200),
             secure_serving: false,
+            client_ca_pem: None,
         }
     }
 }
@@ -122,12 +127,9 @@ impl Drop for HealthUse {
 impl Epp {
     pub fn new(settings: Settings) -> Self {
         let registry = EndpointRegistry::new(default_staleness(settings.scrape_interval));
-        let picker = Picker::new(
-            Arc::new(PolicyStore::default()),
-            registry,
-            Arc::new(Metrics::default()),
-            settings.picker.clone(),
-        );
+        let (policy, metrics) = (Arc::new(PolicyStore::default()), Metrics::default());
+        metrics.register_policy_refusals(policy.refusals());
+        let picker = Picker::new(policy, registry, Arc::new(metrics), settings.picker.clone());
         Epp {
             picker: Arc::new(picker),
             settings: Arc::new(settings),
@@ -185,7 +187,9 @@ impl Epp {
         );
         let mut builder = tonic::transport::Server::builder();
         if self.settings.secure_serving {
-            builder = builder.tls_config(self_signed_tls()?)?;
+            builder = builder.tls_config(server_tls(self.settings.client_ca_pem.as_deref())?)?;
+        } else if self.settings.client_ca_pem.is_some() {
+            anyhow::bail!("a client CA needs TLS on the ext_proc port (secure_serving)");
         }
         let (health, _using) = self.health_service();
         builder
@@ -241,16 +245,18 @@ impl Epp {
         (HealthServer::new(service), HealthUse(health.clone()))
     }
 
-    /// `/metrics`, `/healthz`, `/readyz`, `/debug/explain`, `/debug/policy`.
-    pub async fn serve_http(
+    /// `/debug/explain` and `/debug/policy` on `listener` (the binary binds it
+    /// to loopback); with none, waits for `shutdown`.
+    pub async fn serve_debug(
         &self,
-        listener: TcpListener,
+        listener: Option<TcpListener>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
+        let Some(listener) = listener else {
+            shutdown.await;
+            return Ok(());
+        };
         let app = axum::Router::new()
-            .route("/metrics", get(metrics))
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
             .route("/debug/explain", get(explain))
             .route("/debug/policy", get(policy))
             .with_state(self.clone());
@@ -260,38 +266,21 @@ impl Epp {
         Ok(())
     }
 
-    /// Reloads the policy file whenever its content changes (a mounted
-    /// ConfigMap updates by symlink swap, so compare content, not mtime).
-    pub fn watch_policy_file(&self, path: PathBuf, every: Duration) -> tokio::task::JoinHandle<()> {
-        let store = self.policy().clone();
-        tokio::spawn(async move {
-            let mut last: Option<String> = None;
-            loop {
-                match tokio::fs::read_to_string(&path).await {
-                    Ok(text) if last.as_deref() != Some(text.as_str()) => {
-                        let result = if path.extension().is_some_and(|e| e == "json") {
-                            store.load_json(&text)
-                        } else {
-                            store.load_text(&text)
-                        };
-                        match result {
-                            Ok(hash) => {
-                                tracing::info!(%hash, path = %path.display(), "policy loaded")
-                            }
-                            Err(error) => {
-                                tracing::warn!(%error, path = %path.display(), "policy refused")
-                            }
-                        }
-                        last = Some(text);
-                    }
-                    Ok(_) => {}
-                    Err(error) => {
-                        tracing::warn!(%error, path = %path.display(), "cannot read the policy file")
-                    }
-                }
-                tokio::time::sleep(every).await;
-            }
-        })
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub async fn serve_http(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let app = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .with_state(self.clone());
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        Ok(())
     }
 }
 
@@ -302,15 +291,29 @@ fn no_delay(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// A fresh self-signed certificate for the ext_proc port. Gateways talk to
-/// the EPP inside the cluster and do not verify it (as with the reference EPP);
-/// the point is an encrypted channel, not identity.
-fn self_signed_tls() -> anyhow::Result<tonic::transport::ServerTlsConfig> {
+/// TLS for the ext_proc port: a fresh self-signed certificate, and with
+/// `client_ca_pem` a client certificate required and verified against it.
+/// Gateways talk to the EPP inside the cluster and do not verify the EPP's
+/// certificate (as with the reference EPP): the server side gives an
+/// encrypted channel, the client CA gives the EPP its gateway's identity.
+fn server_tls(client_ca_pem: Option<&str>) -> anyhow::Result<tonic::transport::ServerTlsConfig> {
     let names = vec!["kinference-epp".to_string(), "localhost".to_string()];
     let cert = rcgen::generate_simple_self_signed(names)?;
     let identity =
         tonic::transport::Identity::from_pem(cert.cert.pem(), cert.signing_key.serialize_pem());
-    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
+    let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+    if let Some(pem) = client_ca_pem {
+        // rustls would accept a file without a certificate and then refuse
+        // every client: say what is wrong at start instead.
+        anyhow::ensure!(
+            pem.contains("-----BEGIN CERTIFICATE-----"),
+            "the client CA holds no PEM certificate"
+        );
+        // Required, not optional: tonic verifies the chain and refuses a
+        // client that presents no certificate.
+        tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(pem));
+    }
+    Ok(tls)
 }
 
 /// Binds a loopback or wildcard address, for callers that need the port first.

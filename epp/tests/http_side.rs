@@ -116,7 +116,22 @@ async fn http_and_grpc_health_metrics_and_explain() {
         metrics.contains("kinference_epp_policy_info{hash="),
         "{metrics}"
     );
-    let (_, explain) = get("/debug/explain").await;
+    assert_eq!(
+        get("/debug/explain").await.0,
+        404,
+        "debug endpoints are not on the metrics port"
+    );
+    let (debug, debug_addr) = listener().await;
+    tokio::spawn({
+        let epp = epp.clone();
+        async move { epp.serve_debug(Some(debug), std::future::pending()).await }
+    });
+    let explain = reqwest::get(format!("http://{debug_addr}/debug/explain"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let traces: serde_json::Value = serde_json::from_str(&explain).unwrap();
     assert_eq!(traces[0]["decision"]["action"], "reject");
     assert_eq!(traces[0]["trace"]["rules"][0]["rule"], "only");
@@ -185,4 +200,92 @@ async fn grpc_health_on_the_ext_proc_port_matches_the_health_port() {
     health_server.await.unwrap().unwrap();
     ready();
     serving(grpc_addr).await;
+}
+
+/// Every field a client controls carries a marker; none may appear in
+/// `/debug/explain`, and a megabyte header must not make it large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_never_shows_what_a_client_sent() {
+    let epp = Epp::new(Settings::default());
+    epp.policy()
+        .load_text(
+            "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }
+tenantHeader: x-tenant
+rules:
+  - name: by-credentials
+    matches: [{ header.authorization: Bearer expected, header.x-api-key: expected }]
+    route: { select: [{ minimize: QueueDepth }] }
+  - name: by-team
+    matches: [{ header.x-team: blue, tenant: acme, path: { prefix: /v2 } }]
+    route: { select: [{ minimize: QueueDepth }] }
+  - name: rest
+    route: { select: [{ minimize: QueueDepth }] }
+",
+        )
+        .unwrap();
+    epp.registry()
+        .replace_all(endpoints_from_specs([EndpointSpec::new("127.0.0.1:9", &["qwen"])]).unwrap());
+    epp.registry().mark_synced();
+    let (grpc, grpc_addr) = listener().await;
+    let (debug, debug_addr) = listener().await;
+    for (e, l, debug) in [(epp.clone(), grpc, false), (epp.clone(), debug, true)] {
+        tokio::spawn(async move {
+            if debug {
+                e.serve_debug(Some(l), std::future::pending()).await
+            } else {
+                e.serve_ext_proc(l, std::future::pending()).await
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let huge_tenant = format!("MARKER-TENANT-{}", "t".repeat(1 << 20));
+    let client = EppClient::connect(grpc_addr).await.unwrap();
+    for i in 0..64 {
+        let body = serde_json::json!({"model": "qwen", "prompt": "MARKER-PROMPT"});
+        let request = HttpRequest::post(
+            "/v1/completions?api_key=MARKER-QUERY-KEY&email=MARKER-EMAIL",
+            serde_json::to_vec(&body).unwrap(),
+        )
+        .header("authorization", "Bearer MARKER-BEARER")
+        .header("x-api-key", "MARKER-API-KEY")
+        .header("x-team", "MARKER-TEAM")
+        .header(
+            "x-tenant",
+            if i == 0 {
+                "MARKER-SMALL-TENANT"
+            } else {
+                &huge_tenant
+            },
+        );
+        client.decide(&request).await.unwrap();
+    }
+
+    let explain = reqwest::get(format!("http://{debug_addr}/debug/explain?limit=64"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let traces: Vec<serde_json::Value> = serde_json::from_str(&explain).unwrap();
+    assert_eq!(traces.len(), 64);
+    assert!(
+        !explain.contains("MARKER"),
+        "{}",
+        &explain[..explain.len().min(4000)]
+    );
+    // 64 decisions with a 1 MiB tenant each: the kept values are clamped
+    // and digested, so the page stays small.
+    assert!(explain.len() < 512 * 1024, "{} bytes", explain.len());
+    let first = &traces[0];
+    assert_eq!(first["request"]["path"], "/v1/completions");
+    assert_eq!(first["request"]["headers"]["authorization"], "<redacted>");
+    assert_eq!(first["request"]["headers"]["x-api-key"], "<redacted>");
+    let team = first["request"]["headers"]["x-team"].as_str().unwrap();
+    assert!(team.starts_with("sha256:"), "{team}");
+    // The trace still says why a rule did not match, without the value.
+    let why = first["trace"]["rules"][0]["notMatchedBecause"][0]
+        .as_str()
+        .unwrap();
+    assert!(why.contains("header.authorization is <redacted>"), "{why}");
 }

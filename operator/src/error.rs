@@ -25,6 +25,7 @@ pub enum Verb {
     Get,
     List,
     Apply,
+    Patch,
     Delete,
     PatchStatus,
 }
@@ -35,6 +36,7 @@ impl fmt::Display for Verb {
             Verb::Get => "get",
             Verb::List => "list",
             Verb::Apply => "apply",
+            Verb::Patch => "patch",
             Verb::Delete => "delete",
             Verb::PatchStatus => "patch status of",
         })
@@ -63,6 +65,7 @@ impl Error {
                 Verb::Get => "get",
                 Verb::List => "list",
                 Verb::Apply => "apply",
+                Verb::Patch => "patch",
                 Verb::Delete => "delete",
                 Verb::PatchStatus => "status",
             },

@@ -8,6 +8,14 @@
 //! `leaseDurationSeconds` since this candidate first saw it. Comparing the
 //! holder's `renewTime` with our wall clock would trust clock sync between
 //! nodes.
+//!
+//! Why not the `kube-leader-election` crate (0.44, kube 4): it can express
+//! neither property. Its acquire and renew are JSON merge patches that carry
+//! no resourceVersion, so two candidates that read the same free (or
+//! expired) Lease both get 200 and both believe they lead until their next
+//! round; and it judges expiry by comparing the holder's `renewTime` with
+//! the local wall clock. The e2e test `racing_candidates_never_both_win_a_round`
+//! checks the first property here.
 
 use std::time::{Duration, Instant};
 

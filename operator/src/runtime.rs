@@ -11,6 +11,7 @@ use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
 use kinference_runtime::watch::{log_outages, watch_backoff};
@@ -277,14 +278,17 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     let controller = owns::<ServiceAccount>(controller, &client, ns, &ours);
     let controller = owns::<Role>(controller, &client, ns, &ours);
     let controller = owns::<RoleBinding>(controller, &client, ns, &ours);
+    // The policy ConfigMap, and the EPP status ConfigMap the EPP Pods write:
+    // a Pod reporting a loaded hash or a provider key triggers a reconcile.
     let controller = owns::<ConfigMap>(controller, &client, ns, &ours);
+    let controller = owns::<NetworkPolicy>(controller, &client, ns, &ours);
     let controller = owns::<Service>(controller, &client, ns, &ours);
     let controller = owns::<Deployment>(controller, &client, ns, &ours);
     let controller = owns::<InferencePool>(controller, &client, ns, &ours);
     let controller = owns::<HttpRoute>(controller, &client, ns, &ours);
     let controller = owns::<BackendTlsPolicy>(controller, &client, ns, &ours);
-    // EPP Pods: Ready flips when one reports the accepted hash. Metadata
-    // (labels, annotations) is all that is needed.
+    // EPP Pods: one coming or going changes which reports count (and a gone
+    // Pod's report is pruned). Metadata is all that is needed.
     let pods = watcher(scoped::<PartialObjectMeta<Pod>>(&client, ns), ours.clone())
         .backoff(watch_backoff())
         .touched_objects();

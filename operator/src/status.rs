@@ -7,7 +7,7 @@
 //! summary condition; `lastTransitionTime` changes only when a condition's
 //! `status` changes, so a status that does not change is not rewritten.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -20,6 +20,8 @@ pub const REASON_INVALID_POLICY: &str = "InvalidPolicy";
 pub const REASON_RESOLVED_REFS: &str = "ResolvedRefs";
 pub const REASON_SECRET_NOT_FOUND: &str = "SecretNotFound";
 pub const REASON_GATEWAY_NOT_FOUND: &str = "GatewayNotFound";
+/// ResolvedRefs is Unknown: no EPP Pod has reported on some provider key.
+pub const REASON_SECRETS_NOT_CHECKED: &str = "SecretsNotChecked";
 pub const REASON_READY: &str = "Ready";
 pub const REASON_EPP_UNAVAILABLE: &str = "EppUnavailable";
 pub const REASON_POLICY_NOT_LOADED: &str = "PolicyNotLoaded";
@@ -46,8 +48,12 @@ pub enum Acceptance {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RefReport {
     pub namespace: String,
-    /// `name` or `name (key k)` when the Secret exists without the key.
+    /// `name (key k)`: an EPP Pod reports no value for key `k` of Secret
+    /// `name` (the Secret or the key is missing, or the value is empty).
     pub missing_secrets: Vec<String>,
+    /// `name (key k)`: no live EPP Pod has reported on it yet. The operator
+    /// cannot tell by itself: it has no access to Secrets.
+    pub unchecked_secrets: Vec<String>,
     /// `namespace/name` of Gateways.
     pub missing_gateways: Vec<String>,
 }
@@ -57,8 +63,10 @@ pub struct RefReport {
 pub struct EppReport {
     pub deployment: String,
     pub available_replicas: i32,
-    /// `kinference.io/loaded-policy-hash` of each live EPP Pod.
+    /// The policy hash each live EPP Pod reports having loaded.
     pub loaded_hashes: BTreeSet<String>,
+    /// (Secret, key) → whether any live EPP Pod found a value for it.
+    pub secret_keys: BTreeMap<(String, String), bool>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -117,16 +125,30 @@ pub fn compute(
 
     let refs = &obs.refs;
     let resolved = if refs.missing_secrets.is_empty() && refs.missing_gateways.is_empty() {
-        (
-            true,
-            REASON_RESOLVED_REFS,
-            "all referenced Secrets and Gateways exist".to_string(),
-        )
+        if refs.unchecked_secrets.is_empty() {
+            (
+                Some(true),
+                REASON_RESOLVED_REFS,
+                "all referenced Secrets and Gateways exist".to_string(),
+            )
+        } else {
+            (
+                None,
+                REASON_SECRETS_NOT_CHECKED,
+                format!(
+                    "no EPP Pod has reported on the provider Secret key{} {} in namespace {} yet \
+                     (the EPP reads them; the operator has no access to Secrets)",
+                    plural(refs.unchecked_secrets.len()),
+                    refs.unchecked_secrets.join(", "),
+                    refs.namespace
+                ),
+            )
+        }
     } else {
         let mut parts = Vec::new();
         if !refs.missing_secrets.is_empty() {
             parts.push(format!(
-                "Secret{} not found in namespace {}: {}",
+                "Secret key{} missing or empty in namespace {}: {}",
                 plural(refs.missing_secrets.len()),
                 refs.namespace,
                 refs.missing_secrets.join(", ")
@@ -139,12 +161,18 @@ pub fn compute(
                 refs.missing_gateways.join(", ")
             ));
         }
+        if !refs.unchecked_secrets.is_empty() {
+            parts.push(format!(
+                "not reported by an EPP Pod yet: {}",
+                refs.unchecked_secrets.join(", ")
+            ));
+        }
         let reason = if refs.missing_secrets.is_empty() {
             REASON_GATEWAY_NOT_FOUND
         } else {
             REASON_SECRET_NOT_FOUND
         };
-        (false, reason, parts.join("; "))
+        (Some(false), reason, parts.join("; "))
     };
 
     let epp = &obs.epp;
@@ -192,14 +220,19 @@ pub fn compute(
         }
     };
 
+    let known = |(ok, reason, message): (bool, &'static str, String)| (Some(ok), reason, message);
     let conditions = [
-        (CONDITION_ACCEPTED, accepted),
+        (CONDITION_ACCEPTED, known(accepted)),
         (CONDITION_RESOLVED_REFS, resolved),
-        (CONDITION_READY, ready),
+        (CONDITION_READY, known(ready)),
     ]
     .into_iter()
     .map(|(type_, (ok, reason, message))| {
-        let status = if ok { "True" } else { "False" };
+        let status = match ok {
+            Some(true) => "True",
+            Some(false) => "False",
+            None => "Unknown",
+        };
         let since = condition(prev, type_)
             .filter(|c| c.status == status)
             .map(|c| c.last_transition_time.clone())
@@ -277,10 +310,12 @@ pub fn events(
             push(c);
         }
     }
+    // Unknown (waiting for an EPP report) is no failure: no Event, and its
+    // end is announced only if it had followed a failure.
     if let Some(c) = condition(Some(next), CONDITION_RESOLVED_REFS) {
         let was_false =
-            condition(prev, CONDITION_RESOLVED_REFS).is_some_and(|p| p.status != "True");
-        if (c.status != "True" && changed(CONDITION_RESOLVED_REFS))
+            condition(prev, CONDITION_RESOLVED_REFS).is_some_and(|p| p.status == "False");
+        if (c.status == "False" && changed(CONDITION_RESOLVED_REFS))
             || (c.status == "True" && was_false)
         {
             push(c);
@@ -355,6 +390,7 @@ mod tests {
                 deployment: "chat-epp".into(),
                 available_replicas: available,
                 loaded_hashes: loaded.iter().map(|s| s.to_string()).collect(),
+                ..EppReport::default()
             },
             configured_hash: None,
         }
@@ -493,8 +529,14 @@ mod tests {
     #[test]
     fn missing_refs_are_named() {
         let mut o = obs(accepted(), 1, &[HASH]);
-        o.refs.missing_secrets = vec!["openai-key".into(), "proxy-token (key apiKey)".into()];
+        o.refs.missing_secrets = vec![
+            "openai-key (key apiKey)".into(),
+            "proxy-token (key apiKey)".into(),
+        ];
         o.refs.missing_gateways = vec!["gateways/inference-gateway".into()];
+        // A key no EPP has reported on does not hide the ones known missing,
+        // and is named too.
+        o.refs.unchecked_secrets = vec!["other (key apiKey)".into()];
         let s = compute(None, &o, t(0));
         let c = cond(&s, "ResolvedRefs");
         assert_eq!(
@@ -503,12 +545,53 @@ mod tests {
         );
         assert_eq!(
             c.message,
-            "Secrets not found in namespace team-a: openai-key, proxy-token (key apiKey); \
-             Gateway not found: gateways/inference-gateway"
+            "Secret keys missing or empty in namespace team-a: openai-key (key apiKey), \
+             proxy-token (key apiKey); Gateway not found: gateways/inference-gateway; \
+             not reported by an EPP Pod yet: other (key apiKey)"
         );
         o.refs.missing_secrets.clear();
         let s = compute(None, &o, t(0));
         assert_eq!(cond(&s, "ResolvedRefs").reason, "GatewayNotFound");
+    }
+
+    #[test]
+    fn unreported_secret_keys_leave_resolved_refs_unknown_and_quiet() {
+        let mut o = obs(accepted(), 0, &[]);
+        o.refs.unchecked_secrets = vec!["openai-key (key apiKey)".into()];
+        let waiting = compute(None, &o, t(0));
+        let c = cond(&waiting, "ResolvedRefs");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("Unknown", "SecretsNotChecked")
+        );
+        assert_eq!(
+            c.message,
+            "no EPP Pod has reported on the provider Secret key openai-key (key apiKey) in \
+             namespace team-a yet (the EPP reads them; the operator has no access to Secrets)"
+        );
+        // Not a failure: no Warning Event for it.
+        assert!(
+            events(None, &waiting)
+                .iter()
+                .all(|e| e.reason != "SecretsNotChecked"),
+        );
+        // The EPP reports the key found: True, quietly (it never failed).
+        let resolved = compute(Some(&waiting), &obs(accepted(), 0, &[]), t(1));
+        assert_eq!(cond(&resolved, "ResolvedRefs").status, "True");
+        assert!(
+            events(Some(&waiting), &resolved)
+                .iter()
+                .all(|e| e.reason != "ResolvedRefs")
+        );
+        // Reported missing: False, with a Warning.
+        let mut o = obs(accepted(), 0, &[]);
+        o.refs.missing_secrets = vec!["openai-key (key apiKey)".into()];
+        let missing = compute(Some(&waiting), &o, t(2));
+        let ev = events(Some(&waiting), &missing);
+        assert!(
+            ev.iter().any(|e| e.reason == "SecretNotFound" && e.warning),
+            "{ev:?}"
+        );
     }
 
     #[test]

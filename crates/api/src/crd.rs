@@ -1,3 +1,4 @@
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kinference_policy::PolicySpec;
@@ -22,9 +23,111 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Rules","type":"integer","jsonPath":".status.rules"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+#[serde(rename_all = "camelCase")]
 pub struct InferencePolicySpec {
     #[serde(flatten)]
     pub policy: PolicySpec,
+    /// Who may reach the generated endpoint picker (EPP), and how gateways
+    /// authenticate to it. Not part of the policy language: it changes the
+    /// EPP's Deployment and NetworkPolicy, never its policy hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker: Option<EndpointPickerSpec>,
+}
+
+impl InferencePolicySpec {
+    /// A spec with only the policy and every EPP setting at its default.
+    pub fn new(policy: PolicySpec) -> Self {
+        Self {
+            policy,
+            endpoint_picker: None,
+        }
+    }
+
+    /// The NetworkPolicy settings, defaults filled in when unset.
+    pub fn network_policy(&self) -> EppNetworkPolicySpec {
+        self.endpoint_picker
+            .as_ref()
+            .and_then(|e| e.network_policy.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn client_ca(&self) -> Option<&ClientCaRef> {
+        self.endpoint_picker.as_ref()?.client_ca.as_ref()
+    }
+}
+
+/// Securing the EPP's ports. The ext_proc port (9002) answers provider picks
+/// with the provider's API key in a header, so only gateways may reach it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointPickerSpec {
+    /// The NetworkPolicy generated for the EPP Pods (on by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<EppNetworkPolicySpec>,
+    /// Require and verify a client certificate on the ext_proc port (mTLS):
+    /// only gateways holding a certificate signed by this CA may connect.
+    #[serde(default, rename = "clientCA", skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<ClientCaRef>,
+}
+
+/// Which peers the generated NetworkPolicy admits. Ports not listed here
+/// (gRPC health, 9003) admit nothing but the node's own probes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EppNetworkPolicySpec {
+    /// false: no NetworkPolicy is generated (and an existing one is deleted).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Peers admitted to the ext_proc port 9002. Unset: the Pods of each
+    /// Gateway in `route.parentRefs`, selected by the labels in-cluster
+    /// gateways put on them: `gateway.networking.k8s.io/gateway-name` in the
+    /// Gateway's namespace (Istio, kgateway, agentgateway), and
+    /// `gateway.envoyproxy.io/owning-gateway-name`/`-namespace` in the
+    /// Gateway's namespace or `envoy-gateway-system` (Envoy Gateway). Unset
+    /// and no parentRefs: no NetworkPolicy, as the gateway is unknown. An
+    /// empty list admits no one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ext_proc_from: Option<Vec<NetworkPolicyPeer>>,
+    /// Peers admitted to the metrics port 9090. Unset: Pods labelled
+    /// `app.kubernetes.io/name: prometheus` in any namespace (what the
+    /// Prometheus Operator labels its servers). An empty list admits no one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_from: Option<Vec<NetworkPolicyPeer>>,
+}
+
+impl Default for EppNetworkPolicySpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            ext_proc_from: None,
+            metrics_from: None,
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// A CA certificate (PEM) in a Secret of the policy's namespace, mounted
+/// into the EPP Pods. The operator never reads it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientCaRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: String,
+    /// Key of the PEM bundle in the Secret; default `ca.crt`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: Option<String>,
+}
+
+impl ClientCaRef {
+    pub const DEFAULT_KEY: &str = "ca.crt";
+
+    pub fn key(&self) -> &str {
+        self.key.as_deref().unwrap_or(Self::DEFAULT_KEY)
+    }
 }
 
 /// Observed state, written only by the operator.
@@ -99,5 +202,36 @@ mod tests {
         .unwrap();
         assert_eq!(p.policy.rules.len(), 1);
         assert_eq!(p.policy.pool.target_ports[0].number, 8000);
+        assert_eq!(p.endpoint_picker, None);
+        assert!(p.network_policy().enabled);
+    }
+
+    #[test]
+    fn endpoint_picker_settings_sit_beside_the_policy() {
+        let p: InferencePolicySpec = serde_json::from_value(serde_json::json!({
+            "pool": {"selector": {"app": "vllm"}, "targetPorts": [{"number": 8000}]},
+            "rules": [{"name": "all", "route": {"select": [{"minimize": "QueueDepth"}]}}],
+            "endpointPicker": {
+                "networkPolicy": {"metricsFrom": []},
+                "clientCA": {"secretName": "gateway-ca"}
+            }
+        }))
+        .unwrap();
+        // Not part of the policy: the policy hash cannot move with it.
+        assert_eq!(p.policy.rules.len(), 1);
+        let np = p.network_policy();
+        assert!(np.enabled, "enabled defaults to true");
+        assert_eq!(np.metrics_from, Some(vec![]));
+        assert_eq!(np.ext_proc_from, None);
+        let ca = p.client_ca().unwrap();
+        assert_eq!(
+            (ca.secret_name.as_str(), ca.key()),
+            ("gateway-ca", "ca.crt")
+        );
+        let back = serde_json::to_value(&p).unwrap();
+        assert_eq!(
+            back["endpointPicker"]["clientCA"]["secretName"],
+            "gateway-ca"
+        );
     }
 }

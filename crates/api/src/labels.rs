@@ -10,8 +10,6 @@ pub const POLICY_LABEL: &str = "kinference.io/policy";
 /// ConfigMap keys written by the operator and read by the EPP.
 pub const POLICY_KEY: &str = "policy.json";
 pub const POLICY_HASH_KEY: &str = "policy.sha256";
-/// Pod annotation where the EPP reports the policy hash it has loaded.
-pub const LOADED_HASH_ANNOTATION: &str = "kinference.io/loaded-policy-hash";
 /// Request header that sends a request to a provider's HTTPRoute rule.
 pub const DESTINATION_HEADER: &str = "x-kinference-destination";
 pub const CONDITION_ACCEPTED: &str = "Accepted";

@@ -5,8 +5,13 @@
 #![forbid(unsafe_code)]
 
 mod crd;
+mod epp_status;
 mod labels;
 
-pub use crd::{InferencePolicy, InferencePolicySpec, InferencePolicyStatus, crd, crd_yaml};
+pub use crd::{
+    ClientCaRef, EndpointPickerSpec, EppNetworkPolicySpec, InferencePolicy, InferencePolicySpec,
+    InferencePolicyStatus, crd, crd_yaml,
+};
+pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use kinference_policy::PolicySpec;
 pub use labels::*;

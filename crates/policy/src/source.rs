@@ -76,6 +76,22 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, Diagnostic> {
 }
 
 /// Reads the policy out of one document.
+/// Fields of an InferencePolicy's spec that configure how the operator
+/// deploys the EPP, not the policy (see `kinference_api`): the policy's
+/// hash and its compiler never see them.
+pub const DEPLOYMENT_FIELDS: &[&str] = &["endpointPicker"];
+
+/// The policy part of an InferencePolicy's spec.
+fn policy_of_spec(spec: Option<&Json>) -> Json {
+    let mut spec = spec.cloned().unwrap_or(Json::Null);
+    if let Some(fields) = spec.as_object_mut() {
+        for field in DEPLOYMENT_FIELDS {
+            fields.remove(*field);
+        }
+    }
+    spec
+}
+
 pub fn policy_document(doc: &Document) -> Result<PolicyDocument, Diagnostic> {
     let (prefix, name, body) = match doc.value.get("kind").and_then(Json::as_str) {
         Some("InferencePolicy") => (
@@ -84,7 +100,7 @@ pub fn policy_document(doc: &Document) -> Result<PolicyDocument, Diagnostic> {
                 .pointer("/metadata/name")
                 .and_then(Json::as_str)
                 .map(str::to_string),
-            doc.value.get("spec").cloned().unwrap_or(Json::Null),
+            policy_of_spec(doc.value.get("spec")),
         ),
         Some(other) => {
             return Err(Diagnostic {
@@ -274,6 +290,28 @@ fn scalar(text: String, style: TScalarStyle) -> Json {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_inference_policy_may_carry_epp_deployment_settings() {
+        let policy = "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: r\n    route: { select: [{ minimize: QueueDepth }] }\n";
+        let bare = crate::source::compile_text(policy).unwrap();
+        let indented = policy.replace('\n', "\n  ");
+        let wrapped = format!(
+            "apiVersion: kinference.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{ name: p }}\nspec:\n  endpointPicker: {{ networkPolicy: {{ enabled: false }} }}\n  {indented}"
+        );
+        let compiled = crate::source::compile_text(&wrapped).unwrap();
+        assert_eq!(
+            compiled.hash, bare.hash,
+            "the settings are not part of the policy"
+        );
+        // In a bare policy the field is not known.
+        let bare_with = format!("endpointPicker: {{}}\n{policy}");
+        let errors = crate::source::compile_text(&bare_with).unwrap_err();
+        assert!(
+            errors[0].to_string().contains("endpointPicker"),
+            "{errors:?}"
+        );
+    }
 
     #[test]
     fn builds_json_and_remembers_lines() {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
 use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
     CONDITION_READY, CONDITION_RESOLVED_REFS, InferencePolicy, InferencePolicyStatus,
@@ -33,11 +34,12 @@ pub use apply::{apply, prune};
 #[derive(Clone, Debug)]
 pub struct Requeue {
     /// When everything is Ready: a fallback for missed watch events and for
-    /// drift in objects the operator does not watch (Secrets, Gateways).
+    /// drift in objects the operator does not watch (Gateways).
     pub resync: Duration,
     /// While an accepted policy is not Ready or has unresolved references:
-    /// Secrets and Gateways are not watched, so this is how their creation
-    /// is noticed.
+    /// Gateways are not watched, so this is how their creation is noticed.
+    /// (Provider keys need no polling: the EPP Pods report them in the
+    /// watched EPP status ConfigMap.)
     pub pending: Duration,
     /// After a failed reconcile.
     pub error: Duration,
@@ -144,8 +146,8 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
         },
     };
 
-    let refs = observe::refs(&ctx.client, &ns, spec).await?;
     let epp = observe::epp(&ctx.client, &ns, &names).await?;
+    let refs = observe::refs(&ctx.client, &ns, spec, &epp.secret_keys).await?;
     let configured_hash = match acceptance {
         Acceptance::Rejected { .. } => observe::configured_hash(&ctx.client, &ns, &names).await?,
         Acceptance::Accepted { .. } => None,
@@ -208,6 +210,11 @@ async fn apply_all(
     apply(client, &desired.role, false).await?;
     apply(client, &desired.role_binding, false).await?;
     apply(client, &desired.config_map, false).await?;
+    apply(client, &desired.epp_status_config_map, false).await?;
+    // The NetworkPolicy before the Pods it protects exist.
+    if let Some(np) = &desired.network_policy {
+        apply(client, np, false).await?;
+    }
     apply(client, &desired.epp_service, false).await?;
     apply(client, &desired.deployment, false).await?;
     for service in &desired.provider_services {
@@ -233,6 +240,13 @@ async fn apply_all(
     prune::<BackendTlsPolicy>(client, ns, &name, uid, &tls_keep, true).await?;
     let service_keep: BTreeSet<String> = desired.service_names().into_iter().collect();
     prune::<Service>(client, ns, &name, uid, &service_keep, false).await?;
+    // Disabled, or no gateway known any more.
+    let np_keep: BTreeSet<String> = desired
+        .network_policy
+        .iter()
+        .map(|n| n.name_any())
+        .collect();
+    prune::<NetworkPolicy>(client, ns, &name, uid, &np_keep, false).await?;
     Ok(())
 }
 

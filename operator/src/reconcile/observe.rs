@@ -1,56 +1,50 @@
-//! Reads the state the status reports on: referenced Secrets and Gateways,
-//! the EPP Deployment and its Pods, the ConfigMap's policy hash.
+//! Reads the state the status reports on: parent Gateways, the EPP
+//! Deployment, what its Pods report in the EPP status ConfigMap, and the
+//! policy ConfigMap's hash. The operator reads no Secret: whether the
+//! provider keys exist is what the EPP Pods, which have them mounted, report.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use gateway_api::apis::standard::gateways::Gateway;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
-use kinference_api::{LOADED_HASH_ANNOTATION, POLICY_HASH_KEY};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kinference_api::{EppPodStatus, POLICY_HASH_KEY};
 use kinference_policy::PolicySpec;
-use kube::api::{Api, ListParams};
+use kinference_policy::spec::DEFAULT_SECRET_KEY;
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 
-use crate::error::{Error, Verb};
-use crate::resources::Names;
+use crate::error::{Error, Verb, api_code};
+use crate::resources::{FIELD_MANAGER, Names};
 use crate::status::{EppReport, RefReport};
 
-use kinference_policy::spec::DEFAULT_SECRET_KEY;
-
-/// Which provider Secrets (with their key) and Gateway parentRefs are
-/// missing. Works from the raw spec, so it is reported even while the
-/// policy is invalid.
-pub async fn refs(client: &Client, ns: &str, spec: &PolicySpec) -> Result<RefReport, Error> {
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    let mut wanted: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for p in &spec.providers {
-        if let Some(r) = p.secret_ref.as_ref().filter(|r| !r.name.is_empty()) {
-            wanted
-                .entry(&r.name)
-                .or_default()
-                .insert(r.key.as_deref().unwrap_or(DEFAULT_SECRET_KEY));
-        }
-    }
+/// Which provider Secret keys and Gateway parentRefs are missing, and which
+/// keys no EPP Pod has reported on yet (`secret_keys` is
+/// [`EppReport::secret_keys`]). Works from the raw spec, so it is reported
+/// even while the policy is invalid.
+pub async fn refs(
+    client: &Client,
+    ns: &str,
+    spec: &PolicySpec,
+    secret_keys: &BTreeMap<(String, String), bool>,
+) -> Result<RefReport, Error> {
+    let wanted: BTreeSet<(String, String)> = spec
+        .providers
+        .iter()
+        .filter_map(|p| p.secret_ref.as_ref().filter(|r| !r.name.is_empty()))
+        .map(|r| {
+            let key = r.key.as_deref().unwrap_or(DEFAULT_SECRET_KEY);
+            (r.name.clone(), key.to_string())
+        })
+        .collect();
     let mut missing_secrets = Vec::new();
-    for (name, keys) in wanted {
-        let secret = secrets
-            .get_opt(name)
-            .await
-            .map_err(|e| Error::kube(Verb::Get, "Secret", format!("{ns}/{name}"), e))?;
-        match secret {
-            None => missing_secrets.push(name.to_string()),
-            Some(secret) => {
-                let has = |key: &str| {
-                    secret.data.as_ref().is_some_and(|d| d.contains_key(key))
-                        || secret
-                            .string_data
-                            .as_ref()
-                            .is_some_and(|d| d.contains_key(key))
-                };
-                for key in keys.into_iter().filter(|k| !has(k)) {
-                    missing_secrets.push(format!("{name} (key {key})"));
-                }
-            }
+    let mut unchecked_secrets = Vec::new();
+    for (secret, key) in wanted {
+        let shown = format!("{secret} (key {key})");
+        match secret_keys.get(&(secret, key)) {
+            Some(true) => {}
+            Some(false) => missing_secrets.push(shown),
+            None => unchecked_secrets.push(shown),
         }
     }
 
@@ -69,22 +63,36 @@ pub async fn refs(client: &Client, ns: &str, spec: &PolicySpec) -> Result<RefRep
         // Metadata only: existence is all ResolvedRefs needs. A cluster
         // without the Gateway CRD answers 404 like a missing Gateway.
         let gateways: Api<Gateway> = Api::namespaced(client.clone(), gw_ns);
-        let found = gateways.get_metadata_opt(&parent.name).await.map_err(|e| {
-            Error::kube(Verb::Get, "Gateway", format!("{gw_ns}/{}", parent.name), e)
-        })?;
-        if found.is_none() {
-            missing_gateways.push(format!("{gw_ns}/{}", parent.name));
+        match gateways.get_metadata_opt(&parent.name).await {
+            Ok(Some(_)) => {}
+            Ok(None) => missing_gateways.push(format!("{gw_ns}/{}", parent.name)),
+            // A namespace-scoped operator may not read Gateways elsewhere:
+            // say so instead of failing every reconcile.
+            Err(e) if api_code(&e) == Some(403) => missing_gateways.push(format!(
+                "{gw_ns}/{} (the operator may not read Gateways in {gw_ns})",
+                parent.name
+            )),
+            Err(e) => {
+                return Err(Error::kube(
+                    Verb::Get,
+                    "Gateway",
+                    format!("{gw_ns}/{}", parent.name),
+                    e,
+                ));
+            }
         }
     }
     Ok(RefReport {
         namespace: ns.to_string(),
         missing_secrets,
+        unchecked_secrets,
         missing_gateways,
     })
 }
 
-/// Availability of the EPP Deployment and the policy hashes its live Pods
-/// report having loaded.
+/// Availability of the EPP Deployment and what its live Pods report (the
+/// policy hash each has loaded, the provider keys each found). Keys of Pods
+/// that no longer exist are deleted from the status ConfigMap.
 pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, Error> {
     let name = names.epp();
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -114,6 +122,19 @@ pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, 
     let Some(selector) = selector else {
         return Ok(report);
     };
+
+    // The reports before the Pods: a key was written by a Pod that existed
+    // then, so a Pod the later list does not show is gone for good. (In the
+    // other order, a Pod created between the two reads would lose its key.)
+    let status_name = names.epp_status();
+    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let reported: BTreeMap<String, String> = configmaps
+        .get_opt(&status_name)
+        .await
+        .map_err(|e| Error::kube(Verb::Get, "ConfigMap", format!("{ns}/{status_name}"), e))?
+        .and_then(|cm| cm.data)
+        .unwrap_or_default();
+
     let label_selector = selector
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -124,13 +145,82 @@ pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, 
         .list_metadata(&ListParams::default().labels(&label_selector))
         .await
         .map_err(|e| Error::kube(Verb::List, "Pod", format!("{ns} ({label_selector})"), e))?;
-    report.loaded_hashes = list
+    let existing: BTreeSet<String> = list.items.iter().map(|p| p.name_any()).collect();
+    // A terminating Pod may still write its key: ignored, but not pruned.
+    let live: BTreeSet<String> = list
         .items
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter_map(|p| p.annotations().get(LOADED_HASH_ANNOTATION).cloned())
+        .map(|p| p.name_any())
         .collect();
+
+    let mut stale = Vec::new();
+    for (pod, text) in &reported {
+        if !existing.contains(pod) {
+            stale.push(pod.clone());
+            continue;
+        }
+        if !live.contains(pod) {
+            continue;
+        }
+        let status = match EppPodStatus::from_json(text) {
+            Ok(status) => status,
+            Err(error) => {
+                tracing::debug!(%ns, %pod, %error, "unreadable EPP Pod report; ignored");
+                continue;
+            }
+        };
+        report.loaded_hashes.insert(status.loaded_hash);
+        for k in status.secret_keys.into_iter().flatten() {
+            // Found by any live Pod: the Secret has the key. Pods of one
+            // template mount the same Secrets; they differ only while a
+            // rollout replaces Pods that lack a newly named Secret.
+            *report.secret_keys.entry((k.secret, k.key)).or_insert(false) |= k.found;
+        }
+    }
+    if !stale.is_empty() {
+        prune_reports(&configmaps, ns, &status_name, &stale).await?;
+    }
     Ok(report)
+}
+
+/// Deletes the keys of Pods that are gone, with a merge patch: only those
+/// keys, whoever owns the others.
+async fn prune_reports(
+    configmaps: &Api<ConfigMap>,
+    ns: &str,
+    name: &str,
+    pods: &[String],
+) -> Result<(), Error> {
+    let data: serde_json::Map<String, serde_json::Value> = pods
+        .iter()
+        .map(|p| (p.clone(), serde_json::Value::Null))
+        .collect();
+    let patch = serde_json::json!({ "data": data });
+    match configmaps
+        .patch(
+            name,
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(%ns, configmap = %name, ?pods, "removed the reports of EPP Pods that are gone");
+            Ok(())
+        }
+        // Deleted meanwhile: nothing left to prune.
+        Err(e) if api_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(Error::kube(
+            Verb::Patch,
+            "ConfigMap",
+            format!("{ns}/{name}"),
+            e,
+        )),
+    }
 }
 
 /// The hash in the policy ConfigMap: the last accepted policy.

@@ -14,6 +14,24 @@ use kinference_policy::CompiledPolicy;
 
 use super::{Names, object_meta};
 
+/// The EPP status ConfigMap, without `data`: the EPP Pods own its keys (one
+/// each, see [`kinference_api::EppPodStatus`]). Applying it without `data`
+/// is what keeps the operator's field manager from owning, and so from ever
+/// removing, what the Pods wrote.
+pub fn epp_status_config_map(policy: &InferencePolicy, names: &Names) -> ConfigMap {
+    ConfigMap {
+        metadata: object_meta(
+            policy,
+            &names.epp_status(),
+            [(
+                "app.kubernetes.io/component".to_string(),
+                "endpoint-picker-status".to_string(),
+            )],
+        ),
+        ..ConfigMap::default()
+    }
+}
+
 pub fn config_map(policy: &InferencePolicy, names: &Names, compiled: &CompiledPolicy) -> ConfigMap {
     let json = serde_json::to_string(&compiled.source).expect("a policy spec always serializes");
     ConfigMap {
@@ -63,5 +81,17 @@ mod tests {
         let (policy, compiled) = example();
         let cm = desired(&policy, &compiled, &settings()).config_map;
         insta::assert_yaml_snapshot!("config_map", cm);
+    }
+
+    #[test]
+    fn the_status_config_map_carries_no_data() {
+        let (policy, compiled) = example();
+        let cm = desired(&policy, &compiled, &settings()).epp_status_config_map;
+        assert_eq!(cm.metadata.name.as_deref(), Some("chat-epp-status"));
+        // Sent as the apply body: no `data` (nor `binaryData`) key at all,
+        // not even an empty one, which would claim ownership of the map.
+        let body = serde_json::to_value(&cm).unwrap();
+        let keys: Vec<&String> = body.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["apiVersion", "kind", "metadata"], "{body}");
     }
 }

@@ -1,16 +1,27 @@
 //! The EPP Deployment.
+//!
+//! Provider API keys reach the EPP as files: the Secrets the policy names are
+//! projected into the Pod (only the keys it names, `optional` so a missing
+//! one does not stop the Pod) and read with `--provider-secrets-dir`. The
+//! kubelet mounts them, so neither the operator nor the EPP needs any RBAC
+//! on Secrets. The price: a rotated key reaches the EPP when the kubelet
+//! refreshes the volume (about a minute), and a change in the set of
+//! Secrets the policy names rolls the EPP Pods.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, GRPCAction,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-    SeccompProfile, SecurityContext, Volume, VolumeMount,
+    KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretProjection,
+    SecretVolumeSource, SecurityContext, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
+use kinference_policy::CompiledPolicy;
+use kinference_policy::spec::DEFAULT_SECRET_KEY;
 
 use super::{EppSettings, Names, common_labels, object_meta};
 
@@ -21,6 +32,13 @@ pub const EPP_HEALTH_PORT: i32 = 9003;
 pub const EPP_METRICS_PORT: i32 = 9090;
 /// Distroless "nonroot".
 const RUN_AS_USER: i64 = 65532;
+/// Where the provider Secrets are projected, as `<secret>/<key>`.
+pub const PROVIDER_SECRETS_DIR: &str = "/var/run/kinference/provider-secrets";
+/// Where the gateways' client CA is mounted (mTLS on ext_proc).
+pub const CLIENT_CA_DIR: &str = "/etc/kinference/client-ca";
+pub const CLIENT_CA_FILE: &str = "ca.crt";
+/// Owner and group read only; the group is the Pod's fsGroup, the EPP's.
+const SECRET_FILE_MODE: i32 = 0o440;
 
 /// Labels every EPP object carries (the instance label names the policy).
 pub(crate) fn epp_object_labels(names: &Names) -> Vec<(String, String)> {
@@ -53,7 +71,29 @@ pub fn epp_selector(names: &Names) -> BTreeMap<String, String> {
     ])
 }
 
-pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) -> Deployment {
+/// The Secret keys `compiled`'s providers read, by Secret.
+fn provider_secret_keys(compiled: &CompiledPolicy) -> BTreeMap<String, BTreeSet<String>> {
+    let mut keys: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for secret in compiled.providers.iter().filter_map(|p| p.secret.as_ref()) {
+        if secret.name.is_empty() {
+            continue;
+        }
+        keys.entry(secret.name.clone()).or_default().insert(
+            secret
+                .key
+                .clone()
+                .unwrap_or_else(|| DEFAULT_SECRET_KEY.to_string()),
+        );
+    }
+    keys
+}
+
+pub fn deployment(
+    policy: &InferencePolicy,
+    names: &Names,
+    epp: &EppSettings,
+    compiled: &CompiledPolicy,
+) -> Deployment {
     let epp_name = names.epp();
     let mut pod_labels = common_labels(&names.policy);
     pod_labels.extend(epp_object_labels(names));
@@ -88,18 +128,91 @@ pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) ->
         ..Probe::default()
     };
     let quantity = |s: &str| Quantity(s.into());
+    let mount = |name: &str, path: &str, read_only: bool| VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    };
+
+    let mut args = vec![
+        format!("--policy-configmap={}", names.config_map()),
+        format!("--namespace={ns}"),
+        // Expanded by the kubelet from the downward-API env below: the EPP
+        // reports the policy hash it has loaded under its own Pod name.
+        "--pod-name=$(POD_NAME)".into(),
+        format!("--status-configmap={}", names.epp_status()),
+        // Always files, never the API: the EPP's Role grants no Secrets.
+        format!("--provider-secrets-dir={PROVIDER_SECRETS_DIR}"),
+    ];
+    // The root filesystem is read-only; /tmp is the one writable place
+    // (e.g. for a generated self-signed certificate).
+    let mut mounts = vec![mount("tmp", "/tmp", false)];
+    let mut volumes = vec![Volume {
+        name: "tmp".into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
+    }];
+    let secret_keys = provider_secret_keys(compiled);
+    if !secret_keys.is_empty() {
+        mounts.push(mount("provider-secrets", PROVIDER_SECRETS_DIR, true));
+        volumes.push(Volume {
+            name: "provider-secrets".into(),
+            projected: Some(ProjectedVolumeSource {
+                default_mode: Some(SECRET_FILE_MODE),
+                sources: Some(
+                    secret_keys
+                        .iter()
+                        .map(|(secret, keys)| VolumeProjection {
+                            secret: Some(SecretProjection {
+                                name: secret.clone(),
+                                // The EPP reports a missing key; the Pod
+                                // must not wait for it.
+                                optional: Some(true),
+                                items: Some(
+                                    keys.iter()
+                                        .map(|key| KeyToPath {
+                                            key: key.clone(),
+                                            path: format!("{secret}/{key}"),
+                                            mode: None,
+                                        })
+                                        .collect(),
+                                ),
+                            }),
+                            ..VolumeProjection::default()
+                        })
+                        .collect(),
+                ),
+            }),
+            ..Volume::default()
+        });
+    }
+    if let Some(ca) = policy.spec.client_ca() {
+        args.push(format!("--client-ca-file={CLIENT_CA_DIR}/{CLIENT_CA_FILE}"));
+        mounts.push(mount("client-ca", CLIENT_CA_DIR, true));
+        volumes.push(Volume {
+            name: "client-ca".into(),
+            // Not optional: without its CA the EPP could not start, and a
+            // Pod stuck on the mount says why in its Events.
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(ca.secret_name.clone()),
+                items: Some(vec![KeyToPath {
+                    key: ca.key().to_string(),
+                    path: CLIENT_CA_FILE.into(),
+                    mode: None,
+                }]),
+                default_mode: Some(SECRET_FILE_MODE),
+                optional: None,
+            }),
+            ..Volume::default()
+        });
+    }
 
     let container = Container {
         name: "epp".into(),
         image: Some(epp.image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
-        args: Some(vec![
-            format!("--policy-configmap={}", names.config_map()),
-            format!("--namespace={ns}"),
-            // Expanded by the kubelet from the downward-API env below: the EPP
-            // annotates its own Pod with the policy hash it has loaded.
-            "--pod-name=$(POD_NAME)".into(),
-        ]),
+        args: Some(args),
         env: Some(vec![
             field_env("POD_NAME", "metadata.name"),
             field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -131,13 +244,7 @@ pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) ->
             }),
             ..SecurityContext::default()
         }),
-        // The root filesystem is read-only; /tmp is the one writable place
-        // (e.g. for a generated self-signed certificate).
-        volume_mounts: Some(vec![VolumeMount {
-            name: "tmp".into(),
-            mount_path: "/tmp".into(),
-            ..VolumeMount::default()
-        }]),
+        volume_mounts: Some(mounts),
         ..Container::default()
     };
 
@@ -163,17 +270,16 @@ pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) ->
                         run_as_non_root: Some(true),
                         run_as_user: Some(RUN_AS_USER),
                         run_as_group: Some(RUN_AS_USER),
+                        // Mounted Secret files belong to this group, so the
+                        // EPP can read them with mode 0440.
+                        fs_group: Some(RUN_AS_USER),
                         seccomp_profile: Some(SeccompProfile {
                             type_: "RuntimeDefault".into(),
                             ..SeccompProfile::default()
                         }),
                         ..PodSecurityContext::default()
                     }),
-                    volumes: Some(vec![Volume {
-                        name: "tmp".into(),
-                        empty_dir: Some(EmptyDirVolumeSource::default()),
-                        ..Volume::default()
-                    }]),
+                    volumes: Some(volumes),
                     ..PodSpec::default()
                 }),
             },
@@ -185,6 +291,10 @@ pub fn deployment(policy: &InferencePolicy, names: &Names, epp: &EppSettings) ->
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{PodSpec, Volume};
+    use kinference_api::{ClientCaRef, EndpointPickerSpec};
+
     use crate::resources::desired;
     use crate::resources::testing::*;
 
@@ -193,6 +303,112 @@ mod tests {
         let (policy, compiled) = example();
         let d = desired(&policy, &compiled, &settings()).deployment;
         insta::assert_yaml_snapshot!("deployment", d);
+    }
+
+    fn pod_spec(d: Deployment) -> PodSpec {
+        d.spec.unwrap().template.spec.unwrap()
+    }
+
+    fn arg<'a>(pod: &'a PodSpec, flag: &str) -> Option<&'a str> {
+        pod.containers[0]
+            .args
+            .as_ref()?
+            .iter()
+            .find_map(|a| a.strip_prefix(flag)?.strip_prefix('='))
+    }
+
+    fn volume<'a>(pod: &'a PodSpec, name: &str) -> Option<&'a Volume> {
+        pod.volumes.as_ref()?.iter().find(|v| v.name == name)
+    }
+
+    fn mount_path<'a>(pod: &'a PodSpec, name: &str) -> Option<&'a str> {
+        pod.containers[0]
+            .volume_mounts
+            .as_ref()?
+            .iter()
+            .find(|m| m.name == name && m.read_only == Some(true))
+            .map(|m| m.mount_path.as_str())
+    }
+
+    #[test]
+    fn provider_keys_are_projected_files_not_api_reads() {
+        let (policy, compiled) = example();
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert_eq!(
+            arg(&pod, "--provider-secrets-dir"),
+            Some("/var/run/kinference/provider-secrets")
+        );
+        assert_eq!(arg(&pod, "--status-configmap"), Some("chat-epp-status"));
+        assert_eq!(
+            mount_path(&pod, "provider-secrets"),
+            Some("/var/run/kinference/provider-secrets")
+        );
+        let projected = volume(&pod, "provider-secrets")
+            .and_then(|v| v.projected.clone())
+            .expect("a projected volume");
+        assert_eq!(projected.default_mode, Some(0o440));
+        // Exactly the keys the policy names, each under <secret>/<key>, and
+        // optional: a missing Secret is reported, not a Pod stuck on a mount.
+        assert_eq!(
+            serde_json::to_value(projected.sources).unwrap(),
+            serde_json::json!([
+                {"secret": {"name": "openai-key", "optional": true,
+                            "items": [{"key": "apiKey", "path": "openai-key/apiKey"}]}},
+                {"secret": {"name": "proxy-token", "optional": true,
+                            "items": [{"key": "apiKey", "path": "proxy-token/apiKey"}]}}
+            ])
+        );
+        assert_eq!(pod.security_context.unwrap().fs_group, Some(65532));
+    }
+
+    #[test]
+    fn no_secret_volume_without_secrets_and_no_client_ca_by_default() {
+        let mut spec = example_spec();
+        for p in &mut spec.providers {
+            p.secret_ref = None;
+        }
+        let compiled = kinference_policy::compile(&spec).unwrap();
+        let pod = pod_spec(desired(&example_policy(spec), &compiled, &settings()).deployment);
+        assert!(volume(&pod, "provider-secrets").is_none());
+        assert!(volume(&pod, "client-ca").is_none());
+        assert_eq!(arg(&pod, "--client-ca-file"), None);
+        // The flag stays: with no Secret to read the EPP reads none, and it
+        // never falls back to reading Secrets through the API.
+        assert!(arg(&pod, "--provider-secrets-dir").is_some());
+    }
+
+    #[test]
+    fn client_ca_is_mounted_and_required_by_flag() {
+        let (mut policy, compiled) = example();
+        policy.spec.endpoint_picker = Some(EndpointPickerSpec {
+            client_ca: Some(ClientCaRef {
+                secret_name: "gateway-client-ca".into(),
+                key: Some("bundle.pem".into()),
+            }),
+            ..EndpointPickerSpec::default()
+        });
+        let d = desired(&policy, &compiled, &settings()).deployment;
+        insta::assert_yaml_snapshot!("deployment_mtls", d.spec.as_ref().unwrap().template);
+        let pod = pod_spec(d);
+        assert_eq!(
+            arg(&pod, "--client-ca-file"),
+            Some("/etc/kinference/client-ca/ca.crt")
+        );
+        assert_eq!(
+            mount_path(&pod, "client-ca"),
+            Some("/etc/kinference/client-ca")
+        );
+        let secret = volume(&pod, "client-ca")
+            .and_then(|v| v.secret.clone())
+            .expect("a Secret volume");
+        assert_eq!(secret.secret_name.as_deref(), Some("gateway-client-ca"));
+        // Required: an EPP without its CA could not start anyway.
+        assert_eq!(secret.optional, None);
+        let items = secret.items.unwrap();
+        assert_eq!(
+            (items[0].key.as_str(), items[0].path.as_str()),
+            ("bundle.pem", "ca.crt")
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod epp_service;
 mod http_route;
 mod inference_pool;
 mod names;
+mod network_policy;
 mod provider_service;
 mod role;
 mod role_binding;
@@ -21,6 +22,7 @@ use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
 use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kinference_api::{InferencePolicy, POLICY_LABEL};
@@ -28,12 +30,16 @@ use kinference_policy::CompiledPolicy;
 use kube::{Resource, ResourceExt};
 
 pub use backend_tls_policy::backend_tls_policy;
-pub use config_map::config_map;
-pub use deployment::{EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, deployment, epp_selector};
+pub use config_map::{config_map, epp_status_config_map};
+pub use deployment::{
+    CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
+    PROVIDER_SECRETS_DIR, deployment, epp_selector,
+};
 pub use epp_service::epp_service;
 pub use http_route::http_route;
 pub use inference_pool::{InferencePool, InferencePoolSpec, inference_pool};
 pub use names::{Names, validate_names};
+pub use network_policy::network_policy;
 pub use provider_service::{ProviderEndpoint, provider_service};
 pub use role::role;
 pub use role_binding::role_binding;
@@ -62,8 +68,12 @@ pub struct Desired {
     pub role: Role,
     pub role_binding: RoleBinding,
     pub config_map: ConfigMap,
+    /// Where the EPP Pods report what they loaded; applied without `data`.
+    pub epp_status_config_map: ConfigMap,
     pub epp_service: Service,
     pub deployment: Deployment,
+    /// None when disabled, or when no gateway is known to admit.
+    pub network_policy: Option<NetworkPolicy>,
     pub provider_services: Vec<Service>,
     pub backend_tls_policies: Vec<BackendTlsPolicy>,
     pub inference_pool: InferencePool,
@@ -93,11 +103,13 @@ pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSet
         .collect();
     Desired {
         service_account: service_account(policy, &names),
-        role: role(policy, &names, compiled),
+        role: role(policy, &names),
         role_binding: role_binding(policy, &names),
         config_map: config_map(policy, &names, compiled),
+        epp_status_config_map: epp_status_config_map(policy, &names),
         epp_service: epp_service(policy, &names),
-        deployment: deployment(policy, &names, epp),
+        deployment: deployment(policy, &names, epp, compiled),
+        network_policy: network_policy(policy, &names, compiled),
         provider_services: endpoints
             .iter()
             .map(|(name, e)| provider_service(policy, &names, name, e))
@@ -191,7 +203,7 @@ pub(crate) mod testing {
     }
 
     pub fn example_policy(spec: PolicySpec) -> InferencePolicy {
-        let mut policy = InferencePolicy::new("chat", InferencePolicySpec { policy: spec });
+        let mut policy = InferencePolicy::new("chat", InferencePolicySpec::new(spec));
         policy.metadata = ObjectMeta {
             name: Some("chat".into()),
             namespace: Some("team-a".into()),
@@ -230,8 +242,10 @@ mod tests {
             &d.role.metadata,
             &d.role_binding.metadata,
             &d.config_map.metadata,
+            &d.epp_status_config_map.metadata,
             &d.epp_service.metadata,
             &d.deployment.metadata,
+            &d.network_policy.as_ref().unwrap().metadata,
             &d.provider_services[0].metadata,
             &d.provider_services[1].metadata,
             &d.backend_tls_policies[0].metadata,

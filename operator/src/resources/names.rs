@@ -49,7 +49,14 @@ impl Names {
         format!("{}-policy", self.policy)
     }
 
-    /// Deployment, Service, ServiceAccount, Role and RoleBinding of the EPP.
+    /// Where each EPP Pod reports the policy hash it has loaded (one data
+    /// key per Pod).
+    pub fn epp_status(&self) -> String {
+        format!("{}{EPP_SUFFIX}-status", self.policy)
+    }
+
+    /// Deployment, Service, ServiceAccount, Role, RoleBinding and
+    /// NetworkPolicy of the EPP.
     pub fn epp(&self) -> String {
         format!("{}{EPP_SUFFIX}", self.policy)
     }
@@ -138,6 +145,7 @@ mod tests {
         assert_eq!(n.pool(), "chat");
         assert_eq!(n.config_map(), "chat-policy");
         assert_eq!(n.epp(), "chat-epp");
+        assert_eq!(n.epp_status(), "chat-epp-status");
         assert_eq!(n.provider("openai"), "chat-provider-openai");
     }
 

@@ -37,6 +37,9 @@ pub struct Bootstrap {
     /// Talk TLS to the EPP (its default), without verifying its certificate,
     /// as the reference configurations do.
     pub epp_tls: bool,
+    /// With `epp_tls`: the client certificate Envoy presents to the EPP
+    /// (mTLS, for an EPP started with a client CA).
+    pub epp_client_cert: Option<ClientCert>,
     /// The pool's endpoints, for the templates with a static pool cluster.
     pub pool: Vec<SocketAddr>,
     /// Provider name → the address serving it (plain HTTP on loopback).
@@ -56,6 +59,14 @@ pub struct Bootstrap {
     pub log_level: String,
 }
 
+/// A certificate chain and its private key, both PEM, inlined into the
+/// bootstrap (no files to clean up).
+#[derive(Debug, Clone)]
+pub struct ClientCert {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
 /// Access-log line, space-separated: status, response flags, upstream host,
 /// request id, attempts, bytes received, the destination header as the
 /// router saw it, the `envoy.lb` destination metadata Envoy accepted, the
@@ -70,6 +81,7 @@ impl Bootstrap {
             template,
             epp,
             epp_tls: true,
+            epp_client_cert: None,
             pool: Vec::new(),
             providers: Vec::new(),
             subset_hint: None,
@@ -188,12 +200,22 @@ impl Bootstrap {
         }
         // The EPP's certificate is self-signed: encrypted, not verified, as
         // the reference chart configures it.
-        vec![
-            "transport_socket: { name: envoy.transport_sockets.tls, typed_config: { \"@type\": \
+        let client_cert = match &self.epp_client_cert {
+            None => String::new(),
+            // JSON strings are YAML double-quoted scalars: the PEM's newlines
+            // survive as \n escapes on one line.
+            Some(c) => format!(
+                ", tls_certificates: [{{ certificate_chain: {{ inline_string: {} }}, \
+                 private_key: {{ inline_string: {} }} }}]",
+                serde_json::Value::from(c.cert_pem.as_str()),
+                serde_json::Value::from(c.key_pem.as_str())
+            ),
+        };
+        vec![format!(
+            "transport_socket: {{ name: envoy.transport_sockets.tls, typed_config: {{ \"@type\": \
              type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext, \
-             sni: kinference-epp, common_tls_context: { alpn_protocols: [h2] } } }"
-                .into(),
-        ]
+             sni: kinference-epp, common_tls_context: {{ alpn_protocols: [h2]{client_cert} }} }} }}"
+        )]
     }
 }
 
@@ -267,6 +289,36 @@ mod tests {
                 "{template:?} left a placeholder:\n{text}"
             );
         }
+    }
+
+    #[test]
+    fn a_client_certificate_is_inlined_into_the_epp_cluster() {
+        let text = Bootstrap {
+            epp_client_cert: Some(ClientCert {
+                cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+                key_pem: "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n".into(),
+            }),
+            ..full(Template::Streamed)
+        }
+        .render(Path::new("/tmp/access.log"));
+        let socket = text
+            .lines()
+            .find(|l| l.contains("UpstreamTlsContext"))
+            .expect("a TLS transport socket");
+        assert!(
+            socket.contains(
+                "tls_certificates: [{ certificate_chain: { inline_string: \"-----BEGIN CERTIFICATE-----\\nMIIB\\n-----END CERTIFICATE-----\\n\" }"
+            ),
+            "{socket}"
+        );
+        assert!(
+            socket.contains("private_key: { inline_string: \"-----BEGIN PRIVATE KEY-----\\nMIIE"),
+            "{socket}"
+        );
+        // Without one, the same TLS socket and no certificate.
+        let plain = full(Template::Streamed).render(Path::new("/tmp/access.log"));
+        assert!(plain.contains("alpn_protocols: [h2] } } }"), "{plain}");
+        assert!(!plain.contains("tls_certificates"));
     }
 
     #[test]
