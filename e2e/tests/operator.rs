@@ -1036,6 +1036,58 @@ async fn keeps_reconciling_after_an_apiserver_restart() -> Result<()> {
     Ok(())
 }
 
+/// After a long outage every watch has retried many times; kube's default
+/// backoff then sleeps up to 30 s more, so an edit made right after the API
+/// server returned waited up to 27 s. Requeues are set far out here so that
+/// only the watches can notice the edit.
+#[tokio::test]
+async fn an_edit_right_after_a_long_api_server_outage_is_reconciled_within_seconds() -> Result<()> {
+    let mut cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let metrics = Metrics::new();
+    let far = Duration::from_secs(600);
+    let config = Config {
+        requeue: Requeue {
+            resync: far,
+            pending: far,
+            error: far,
+        },
+        ..test_config(&metrics)
+    };
+    let operator = kinference_operator::spawn(client.clone(), config);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("steady", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "steady", "Accepted", "True").await?;
+
+    cluster.stop_apiserver().await?;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    cluster.start_apiserver().await?;
+
+    let mut edited = valid_spec();
+    edited["route"]["pathPrefix"] = json!("/after-outage");
+    let edited_at = Instant::now();
+    replace_spec(&policies, "steady", edited.clone()).await?;
+    let hash = hash_of(&edited)?;
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), NS);
+    eventually("the edit reaches the ConfigMap", async || {
+        let cm = configmaps.get("steady-policy").await?;
+        Ok((cm.data.unwrap_or_default().get(POLICY_HASH_KEY) == Some(&hash)).then_some(()))
+    })
+    .await?;
+    let took = edited_at.elapsed();
+    wait_condition(&policies, "steady", "Accepted", "True").await?;
+    eprintln!("edit after a 20 s outage reconciled in {took:?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "an edit after the outage took {took:?}"
+    );
+    operator.stop().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn only_the_leader_reconciles_and_hands_over_on_shutdown() -> Result<()> {
     let cluster = start_cluster().await?;
