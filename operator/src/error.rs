@@ -15,6 +15,16 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// A generated object would exceed what the API server stores.
+    #[error(
+        "{kind} {object} would hold {bytes} bytes, over the API server's limit of {limit} bytes for one object; make the policy smaller"
+    )]
+    TooLarge {
+        kind: String,
+        object: String,
+        bytes: usize,
+        limit: usize,
+    },
     /// The policy object lacks what only the API server sets.
     #[error("InferencePolicy {0} has no namespace or uid; it must come from the API server")]
     Incomplete(String),
@@ -69,6 +79,7 @@ impl Error {
                 Verb::Delete => "delete",
                 Verb::PatchStatus => "status",
             },
+            Error::TooLarge { .. } => "too_large",
             Error::Incomplete(_) => "incomplete_object",
         }
     }

@@ -24,6 +24,8 @@ pub const REASON_GATEWAY_NOT_FOUND: &str = "GatewayNotFound";
 pub const REASON_SECRETS_NOT_CHECKED: &str = "SecretsNotChecked";
 pub const REASON_READY: &str = "Ready";
 pub const REASON_EPP_UNAVAILABLE: &str = "EppUnavailable";
+/// Applying or pruning a generated object failed (the message names it).
+pub const REASON_APPLY_FAILED: &str = "ApplyFailed";
 pub const REASON_POLICY_NOT_LOADED: &str = "PolicyNotLoaded";
 
 /// Condition messages are capped by the API (32 KiB); stay well below.
@@ -78,6 +80,8 @@ pub struct Observation {
     /// Hash held by the policy ConfigMap (the last accepted policy), read
     /// when the current generation is rejected.
     pub configured_hash: Option<String>,
+    /// Why applying or pruning the generated objects failed, if it did.
+    pub apply_failure: Option<String>,
 }
 
 /// The status to write for `obs`, keeping transition times from `prev`.
@@ -178,6 +182,14 @@ pub fn compute(
     let epp = &obs.epp;
     let serving = |hash: &str| epp.available_replicas >= 1 && epp.loaded_hashes.contains(hash);
     let ready = match &obs.acceptance {
+        Acceptance::Accepted { .. } if obs.apply_failure.is_some() => (
+            false,
+            REASON_APPLY_FAILED,
+            truncate(
+                obs.apply_failure.as_deref().unwrap_or_default(),
+                MAX_MESSAGE,
+            ),
+        ),
         Acceptance::Accepted { hash, .. } if epp.available_replicas < 1 => (
             false,
             REASON_EPP_UNAVAILABLE,
@@ -393,6 +405,7 @@ mod tests {
                 ..EppReport::default()
             },
             configured_hash: None,
+            apply_failure: None,
         }
     }
 
@@ -441,6 +454,31 @@ mod tests {
         let s = compute(Some(&s), &obs(accepted(), 1, &[OLD, HASH]), t(9));
         assert_eq!(cond(&s, "Ready").status, "True");
         assert_eq!(cond(&s, "Ready").last_transition_time, Time(t(9)));
+    }
+
+    #[test]
+    fn a_failed_apply_makes_ready_false_with_the_error_even_if_an_old_epp_serves() {
+        let mut o = obs(accepted(), 1, &[HASH]);
+        o.apply_failure = Some(
+            "ConfigMap team-a/chat-policy would hold 1200000 bytes, over the API server's limit of 1048576 bytes for one object; make the policy smaller".into(),
+        );
+        let s = compute(None, &o, t(0));
+        let ready = cond(&s, "Ready");
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "ApplyFailed")
+        );
+        assert!(
+            ready
+                .message
+                .starts_with("ConfigMap team-a/chat-policy would hold 1200000 bytes")
+        );
+        assert_eq!(ready.observed_generation, Some(4));
+        assert_eq!(cond(&s, "Accepted").status, "True");
+        // Once the apply succeeds, Ready follows the EPP again.
+        o.apply_failure = None;
+        let s = compute(Some(&s), &o, t(5));
+        assert_eq!(cond(&s, "Ready").status, "True");
     }
 
     #[test]

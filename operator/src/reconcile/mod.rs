@@ -129,9 +129,13 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
     let spec = &policy.spec.policy;
 
     let compiled = compile(&name, spec);
+    // A failed apply still gets a status (Ready=False, ApplyFailed, naming
+    // the object and the API server's message) before it is returned as the
+    // reconcile's error, which retries it with backoff.
+    let mut applied = Ok(());
     let acceptance = match &compiled {
         Ok(c) => {
-            apply_all(ctx, &policy, &ns, &uid, c).await?;
+            applied = apply_all(ctx, &policy, &ns, &uid, c).await;
             Acceptance::Accepted {
                 hash: c.hash.clone(),
                 rules: c.rules.len(),
@@ -158,6 +162,7 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
         refs,
         epp,
         configured_hash,
+        apply_failure: applied.as_ref().err().map(ToString::to_string),
     };
     let prev = policy.status.as_ref();
     let next = status::compute(prev, &observation, Timestamp::now());
@@ -166,6 +171,7 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
         publish_events(ctx, &policy, prev, &next).await;
     }
 
+    applied?;
     let settled = status::is_true(Some(&next), CONDITION_READY)
         && status::is_true(Some(&next), CONDITION_RESOLVED_REFS);
     let rejected = matches!(observation.acceptance, Acceptance::Rejected { .. });
@@ -204,6 +210,8 @@ async fn apply_all(
 ) -> Result<(), Error> {
     let client = &ctx.client;
     let desired = resources::desired(policy, compiled, &ctx.epp);
+    // Before anything is applied: an oversized policy changes nothing.
+    resources::check_config_map_size(&desired.config_map)?;
     // Identity and permissions before the Deployment that uses them; the
     // ConfigMap before the EPP that reads it; backends before the route.
     apply(client, &desired.service_account, false).await?;

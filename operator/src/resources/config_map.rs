@@ -13,6 +13,42 @@ use kinference_api::{InferencePolicy, POLICY_HASH_KEY, POLICY_KEY};
 use kinference_policy::CompiledPolicy;
 
 use super::{Names, object_meta};
+use crate::error::Error;
+
+/// What the API server accepts in one ConfigMap: the keys and values of
+/// `data` and `binaryData` together (its validation's `MaxSecretSize`).
+pub const MAX_CONFIG_MAP_BYTES: usize = 1024 * 1024;
+
+/// Refuses a ConfigMap the API server would reject for its size, before any
+/// object is applied, with the sizes in the message.
+pub fn check_config_map_size(cm: &ConfigMap) -> Result<(), Error> {
+    let text: usize = cm
+        .data
+        .iter()
+        .flatten()
+        .map(|(k, v)| k.len() + v.len())
+        .sum();
+    let binary: usize = cm
+        .binary_data
+        .iter()
+        .flatten()
+        .map(|(k, v)| k.len() + v.0.len())
+        .sum();
+    let bytes = text + binary;
+    if bytes <= MAX_CONFIG_MAP_BYTES {
+        return Ok(());
+    }
+    Err(Error::TooLarge {
+        kind: "ConfigMap".into(),
+        object: format!(
+            "{}/{}",
+            cm.metadata.namespace.as_deref().unwrap_or_default(),
+            cm.metadata.name.as_deref().unwrap_or_default()
+        ),
+        bytes,
+        limit: MAX_CONFIG_MAP_BYTES,
+    })
+}
 
 /// The EPP status ConfigMap, without `data`: the EPP Pods own its keys (one
 /// each, see [`kinference_api::EppPodStatus`]). Applying it without `data`
@@ -59,6 +95,20 @@ mod tests {
 
     use crate::resources::desired;
     use crate::resources::testing::*;
+
+    #[test]
+    fn an_oversized_config_map_is_refused_with_its_size_and_the_limit() {
+        let (policy, compiled) = example();
+        let mut cm = desired(&policy, &compiled, &settings()).config_map;
+        assert!(super::check_config_map_size(&cm).is_ok());
+        let data = cm.data.get_or_insert_default();
+        data.insert(
+            "policy.json".into(),
+            "x".repeat(super::MAX_CONFIG_MAP_BYTES),
+        );
+        let error = super::check_config_map_size(&cm).unwrap_err().to_string();
+        insta::assert_snapshot!(error);
+    }
 
     #[test]
     fn round_trips_to_the_same_hash() {

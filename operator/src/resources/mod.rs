@@ -30,7 +30,7 @@ use kinference_policy::CompiledPolicy;
 use kube::{Resource, ResourceExt};
 
 pub use backend_tls_policy::backend_tls_policy;
-pub use config_map::{config_map, epp_status_config_map};
+pub use config_map::{check_config_map_size, config_map, epp_status_config_map};
 pub use deployment::{
     CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
     PROVIDER_SECRETS_DIR, deployment, epp_selector,
