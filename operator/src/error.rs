@@ -15,19 +15,23 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// A generated object would exceed what the API server stores.
-    #[error(
-        "{kind} {object} would hold {bytes} bytes, over the API server's limit of {limit} bytes for one object; make the policy smaller"
-    )]
-    TooLarge {
-        kind: String,
-        object: String,
-        bytes: usize,
-        limit: usize,
-    },
+    #[error(transparent)]
+    TooLarge(#[from] TooLarge),
     /// The policy object lacks what only the API server sets.
     #[error("InferencePolicy {0} has no namespace or uid; it must come from the API server")]
     Incomplete(String),
+}
+
+/// A generated object would exceed what the API server stores.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{kind} {object} would hold {bytes} bytes, over the API server's limit of {limit} bytes for one object; make the policy smaller"
+)]
+pub struct TooLarge {
+    pub kind: String,
+    pub object: String,
+    pub bytes: usize,
+    pub limit: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,7 +83,7 @@ impl Error {
                 Verb::Delete => "delete",
                 Verb::PatchStatus => "status",
             },
-            Error::TooLarge { .. } => "too_large",
+            Error::TooLarge(_) => "too_large",
             Error::Incomplete(_) => "incomplete_object",
         }
     }

@@ -13,7 +13,7 @@ use kinference_api::{InferencePolicy, POLICY_HASH_KEY, POLICY_KEY};
 use kinference_policy::CompiledPolicy;
 
 use super::{Names, object_meta};
-use crate::error::Error;
+use crate::error::TooLarge;
 
 /// What the API server accepts in one ConfigMap: the keys and values of
 /// `data` and `binaryData` together (its validation's `MaxSecretSize`).
@@ -21,7 +21,7 @@ pub const MAX_CONFIG_MAP_BYTES: usize = 1024 * 1024;
 
 /// Refuses a ConfigMap the API server would reject for its size, before any
 /// object is applied, with the sizes in the message.
-pub fn check_config_map_size(cm: &ConfigMap) -> Result<(), Error> {
+pub fn check_config_map_size(cm: &ConfigMap) -> Result<(), TooLarge> {
     let text: usize = cm
         .data
         .iter()
@@ -38,7 +38,7 @@ pub fn check_config_map_size(cm: &ConfigMap) -> Result<(), Error> {
     if bytes <= MAX_CONFIG_MAP_BYTES {
         return Ok(());
     }
-    Err(Error::TooLarge {
+    Err(TooLarge {
         kind: "ConfigMap".into(),
         object: format!(
             "{}/{}",
