@@ -1036,6 +1036,108 @@ async fn keeps_reconciling_after_an_apiserver_restart() -> Result<()> {
     Ok(())
 }
 
+/// Generated names taken by a user's objects: the objects are left exactly
+/// as they were (no keys added, no owner reference that a garbage collector
+/// would follow), and the policy says which object is in the way.
+#[tokio::test]
+async fn objects_it_did_not_create_are_never_taken_over() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let services: Api<Service> = Api::namespaced(client.clone(), NS);
+
+    let user_cm: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "cm-policy"},
+        "data": {"mine": "keep me"}
+    }))?;
+    let user_deploy: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "dep-epp"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "mine"}},
+            "template": {
+                "metadata": {"labels": {"app": "mine"}},
+                "spec": {"containers": [{"name": "c", "image": "example.invalid/mine:1"}]}
+            }
+        }
+    }))?;
+    let user_svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "svc-epp"},
+        "spec": {"ports": [{"port": 80}]}
+    }))?;
+    let pp = PostParams::default();
+    let versions = [
+        configmaps.create(&pp, &user_cm).await?.resource_version(),
+        deployments
+            .create(&pp, &user_deploy)
+            .await?
+            .resource_version(),
+        services.create(&pp, &user_svc).await?.resource_version(),
+    ];
+
+    for (policy_name, object) in [
+        ("cm", format!("ConfigMap {NS}/cm-policy")),
+        ("dep", format!("Deployment {NS}/dep-epp")),
+        ("svc", format!("Service {NS}/svc-epp")),
+    ] {
+        policies
+            .create(&pp, &policy(policy_name, valid_spec())?)
+            .await?;
+        let (_, ready) = wait_condition(&policies, policy_name, "Ready", "False").await?;
+        let ready = eventually(&format!("{policy_name} Conflict"), async || {
+            let p = policies.get(policy_name).await?;
+            Ok(condition(&p, "Ready").filter(|c| c.reason == "Conflict"))
+        })
+        .await
+        .with_context(|| format!("last Ready: {ready:?}"))?;
+        assert!(
+            ready.message.starts_with(&format!(
+                "{object} already exists and is not controlled by this policy"
+            )),
+            "{}",
+            ready.message
+        );
+    }
+
+    let cm = configmaps.get("cm-policy").await?;
+    let dep = deployments.get("dep-epp").await?;
+    let svc = services.get("svc-epp").await?;
+    assert_eq!(
+        [
+            cm.resource_version(),
+            dep.resource_version(),
+            svc.resource_version()
+        ],
+        versions,
+        "the user's objects were not written"
+    );
+    assert_eq!(
+        cm.data.unwrap_or_default().keys().collect::<Vec<_>>(),
+        ["mine"]
+    );
+    for meta in [&cm.metadata, &dep.metadata, &svc.metadata] {
+        assert!(meta.owner_references.is_none(), "{meta:?}");
+    }
+    assert!(generated_versions(&client, "cm").await?.is_empty());
+
+    // Once the user's object is gone, the policy proceeds.
+    configmaps.delete("cm-policy", &Default::default()).await?;
+    eventually("cm-policy recreated by the operator", async || {
+        let cm = configmaps.get_opt("cm-policy").await?;
+        Ok(cm.filter(|c| {
+            c.owner_references()
+                .iter()
+                .any(|o| o.kind == "InferencePolicy")
+        }))
+    })
+    .await?;
+    operator.stop().await?;
+    Ok(())
+}
+
 /// After a long outage every watch has retried many times; kube's default
 /// backoff then sleeps up to 30 s more, so an edit made right after the API
 /// server returned waited up to 27 s. Requeues are set far out here so that

@@ -17,6 +17,11 @@ pub enum Error {
     },
     #[error(transparent)]
     TooLarge(#[from] TooLarge),
+    /// An object with a generated name exists and is not the policy's.
+    #[error(
+        "{0} already exists and is not controlled by this policy; it is left untouched: delete or rename it, or rename the policy"
+    )]
+    Conflict(String),
     /// The policy object lacks what only the API server sets.
     #[error("InferencePolicy {0} has no namespace or uid; it must come from the API server")]
     Incomplete(String),
@@ -84,6 +89,7 @@ impl Error {
                 Verb::PatchStatus => "status",
             },
             Error::TooLarge(_) => "too_large",
+            Error::Conflict(_) => "conflict",
             Error::Incomplete(_) => "incomplete_object",
         }
     }

@@ -26,6 +26,8 @@ pub const REASON_READY: &str = "Ready";
 pub const REASON_EPP_UNAVAILABLE: &str = "EppUnavailable";
 /// Applying or pruning a generated object failed (the message names it).
 pub const REASON_APPLY_FAILED: &str = "ApplyFailed";
+/// A generated name is taken by an object the policy does not control.
+pub const REASON_CONFLICT: &str = "Conflict";
 pub const REASON_POLICY_NOT_LOADED: &str = "PolicyNotLoaded";
 
 /// Condition messages are capped by the API (32 KiB); stay well below.
@@ -80,8 +82,10 @@ pub struct Observation {
     /// Hash held by the policy ConfigMap (the last accepted policy), read
     /// when the current generation is rejected.
     pub configured_hash: Option<String>,
-    /// Why applying or pruning the generated objects failed, if it did.
-    pub apply_failure: Option<String>,
+    /// Why applying or pruning the generated objects failed, if it did:
+    /// the Ready reason ([`REASON_CONFLICT`] or [`REASON_APPLY_FAILED`]) and
+    /// the message.
+    pub apply_failure: Option<(&'static str, String)>,
 }
 
 /// The status to write for `obs`, keeping transition times from `prev`.
@@ -182,14 +186,9 @@ pub fn compute(
     let epp = &obs.epp;
     let serving = |hash: &str| epp.available_replicas >= 1 && epp.loaded_hashes.contains(hash);
     let ready = match &obs.acceptance {
-        Acceptance::Accepted { .. } if obs.apply_failure.is_some() => (
-            false,
-            REASON_APPLY_FAILED,
-            truncate(
-                obs.apply_failure.as_deref().unwrap_or_default(),
-                MAX_MESSAGE,
-            ),
-        ),
+        Acceptance::Accepted { .. } if let Some((reason, message)) = &obs.apply_failure => {
+            (false, *reason, truncate(message, MAX_MESSAGE))
+        }
         Acceptance::Accepted { hash, .. } if epp.available_replicas < 1 => (
             false,
             REASON_EPP_UNAVAILABLE,
@@ -459,9 +458,10 @@ mod tests {
     #[test]
     fn a_failed_apply_makes_ready_false_with_the_error_even_if_an_old_epp_serves() {
         let mut o = obs(accepted(), 1, &[HASH]);
-        o.apply_failure = Some(
+        o.apply_failure = Some((
+            REASON_APPLY_FAILED,
             "ConfigMap team-a/chat-policy would hold 1200000 bytes, over the API server's limit of 1048576 bytes for one object; make the policy smaller".into(),
-        );
+        ));
         let s = compute(None, &o, t(0));
         let ready = cond(&s, "Ready");
         assert_eq!(

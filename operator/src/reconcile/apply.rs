@@ -51,6 +51,39 @@ where
     }
 }
 
+/// `Kind namespace/name` of `obj` if an object of that name exists and is
+/// not controlled by the policy `uid`: someone else's, which a forced apply
+/// would take over (and a garbage collector later delete with the policy).
+pub async fn foreign<K>(client: &Client, obj: &K, uid: &str) -> Result<Option<String>, Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let ns = obj.meta().namespace.clone().unwrap_or_default();
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
+    let existing = match api.get_metadata_opt(&name).await {
+        Ok(existing) => existing,
+        // An optional kind the cluster does not serve: nothing to take over.
+        Err(e) if is_missing_kind(&e) => None,
+        Err(e) => {
+            return Err(Error::kube(
+                Verb::Get,
+                kind_name::<K>(),
+                format!("{ns}/{name}"),
+                e,
+            ));
+        }
+    };
+    Ok(existing
+        .filter(|o| {
+            !o.owner_references()
+                .iter()
+                .any(|r| r.controller == Some(true) && r.uid == uid)
+        })
+        .map(|_| format!("{} {ns}/{name}", kind_name::<K>())))
+}
+
 /// Deletes objects of kind `K` in `ns` labelled for `policy` and controlled
 /// by the policy's `uid` whose names are not in `keep`. Objects someone else
 /// labelled but the policy does not control are left alone. Returns the

@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 use crate::resources::{self, EppSettings, FIELD_MANAGER, Names};
 use crate::status::{self, Acceptance, Observation};
 
-pub use apply::{apply, prune};
+pub use apply::{apply, foreign, prune};
 
 /// Timing of periodic reconciles.
 #[derive(Clone, Debug)]
@@ -162,7 +162,13 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
         refs,
         epp,
         configured_hash,
-        apply_failure: applied.as_ref().err().map(ToString::to_string),
+        apply_failure: applied.as_ref().err().map(|e| {
+            let reason = match e {
+                Error::Conflict(_) => status::REASON_CONFLICT,
+                _ => status::REASON_APPLY_FAILED,
+            };
+            (reason, e.to_string())
+        }),
     };
     let prev = policy.status.as_ref();
     let next = status::compute(prev, &observation, Timestamp::now());
@@ -201,6 +207,54 @@ fn compile(
     }
 }
 
+/// Whether the policy's objects may never have been applied: no Ready
+/// condition yet, or one that says nothing was (a conflict, or a policy that
+/// was invalid from the start). Ready's other reasons all follow an apply.
+fn never_applied(policy: &InferencePolicy) -> bool {
+    let ready = policy.status.as_ref().and_then(|s| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == CONDITION_READY)
+            .map(|c| c.reason.as_str())
+    });
+    match ready {
+        None => true,
+        Some(reason) => [status::REASON_CONFLICT, status::REASON_INVALID_POLICY].contains(&reason),
+    }
+}
+
+/// The first generated object whose name is taken by an object this
+/// policy does not control.
+async fn first_foreign(
+    client: &Client,
+    desired: &resources::Desired,
+    uid: &str,
+) -> Result<Option<String>, Error> {
+    let d = desired;
+    let checks = [
+        foreign(client, &d.service_account, uid).await?,
+        foreign(client, &d.role, uid).await?,
+        foreign(client, &d.role_binding, uid).await?,
+        foreign(client, &d.config_map, uid).await?,
+        foreign(client, &d.epp_status_config_map, uid).await?,
+        foreign(client, &d.epp_service, uid).await?,
+        foreign(client, &d.deployment, uid).await?,
+        foreign(client, &d.inference_pool, uid).await?,
+    ];
+    if let Some(found) = checks.into_iter().flatten().next() {
+        return Ok(Some(found));
+    }
+    for service in &d.provider_services {
+        if let Some(found) = foreign(client, service, uid).await? {
+            return Ok(Some(found));
+        }
+    }
+    if let Some(route) = &d.http_route {
+        return foreign(client, route, uid).await;
+    }
+    Ok(None)
+}
+
 async fn apply_all(
     ctx: &Context,
     policy: &InferencePolicy,
@@ -212,6 +266,14 @@ async fn apply_all(
     let desired = resources::desired(policy, compiled, &ctx.epp);
     // Before anything is applied: an oversized policy changes nothing.
     resources::check_config_map_size(&desired.config_map)?;
+    // Until the policy's objects have been applied once, none of the
+    // generated names should exist; one that does is someone else's.
+    // Checked until then (a few metadata GETs), not on every reconcile.
+    if never_applied(policy)
+        && let Some(object) = first_foreign(client, &desired, uid).await?
+    {
+        return Err(Error::Conflict(object));
+    }
     // Identity and permissions before the Deployment that uses them; the
     // ConfigMap before the EPP that reads it; backends before the route.
     apply(client, &desired.service_account, false).await?;
