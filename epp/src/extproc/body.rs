@@ -100,6 +100,12 @@ pub enum BodyError {
 }
 
 pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
+    // serde_json does not check the UTF-8 of members it skips, so without
+    // this a body could parse and then fail the model rewrite, which must
+    // keep every member (found by fuzzing).
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| BodyError::NotJson(format!("invalid UTF-8: {e}")))?;
+    let bytes = text.as_bytes();
     let trimmed = bytes.trim_ascii_start();
     if !trimmed.starts_with(b"{") {
         return match serde_json::from_slice::<&RawValue>(bytes) {
@@ -228,6 +234,16 @@ mod ordered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn invalid_utf8_anywhere_is_refused_even_in_members_not_read() {
+        // fuzz/regressions/request_body/invalid-utf8-in-skipped-member
+        let body = b"{\"\":[{\"\xff\":\"\"}]}";
+        assert!(matches!(parse(body), Err(BodyError::NotJson(m)) if m.contains("UTF-8")));
+        let fine = "{\"model\":\"m\",\"prompt\":\"h\u{e9}llo\",\"x\":{\"\u{fc}\":1}}";
+        assert_eq!(parse(fine.as_bytes()).unwrap().model.as_deref(), Some("m"));
+        assert!(rewrite_model(fine.as_bytes(), "n").is_ok());
+    }
 
     #[test]
     fn parses_chat_completions_responses_and_embeddings() {

@@ -326,8 +326,9 @@ impl<R: Router> Session<R> {
         let reported_ttft = headers
             .get(OBSERVED_TTFT_HEADER)
             .and_then(|v| v.parse::<f64>().ok())
-            .filter(|ms| ms.is_finite() && *ms >= 0.0)
-            .map(|ms| Duration::from_secs_f64(ms / 1000.0));
+            // Negative, NaN, infinite or beyond Duration's range: ignored
+            // (found by fuzzing: 1e254 ms used to panic the session).
+            .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok());
         if let Some(routed) = &mut self.routed
             && !routed.completed
         {
@@ -871,6 +872,32 @@ mod tests {
         assert_eq!(completed[0].status, Some(200));
         assert!(completed[0].at.is_some());
         assert_eq!(router.live_tickets(), 0, "the ticket ends with the stream");
+    }
+
+    #[tokio::test]
+    async fn an_observed_ttft_beyond_durations_range_is_ignored() {
+        // fuzz/regressions/extproc_session/observed-ttft-header-1e254
+        let router = FakeRouter::new(local());
+        let huge = match headers(
+            &[
+                (":status", "200"),
+                ("x-kinference-observed-ttft-ms", "1.5729792023954678e254"),
+            ],
+            false,
+        ) {
+            Msg::RequestHeaders(h) => Msg::ResponseHeaders(h),
+            _ => unreachable!(),
+        };
+        let replies = exchange(
+            &router,
+            false,
+            vec![headers(&[PATH], false), body(CHAT, true), huge],
+        )
+        .await;
+        assert_eq!(replies.len(), 3, "the response headers are answered");
+        let completed = router.completed.lock().unwrap();
+        assert_eq!(completed[0].status, Some(200));
+        assert_eq!(completed[0].reported_ttft, None);
     }
 
     #[tokio::test]
