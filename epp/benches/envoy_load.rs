@@ -41,8 +41,7 @@
 //! of the same run.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -59,8 +58,11 @@ use kinference_epp::extproc::{DESTINATION_ENDPOINT, reply};
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{Bootstrap, ENVOY_VERSION, Envoy, Template};
+use kinference_testbed::load::{
+    Clocks, Cpu, Outcome, Phase, PhaseSpec, Tally, Turn, Window, cores, cpu, env_or, metric_sum,
+    ms, per_request_us, ratio, runtime,
+};
 use tokio::net::TcpListener;
-use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
@@ -91,13 +93,13 @@ const EPP_THREADS: &str = "epp-srv";
 const FLOOR_THREADS: &str = "floor-srv";
 const LOAD_THREADS: &str = "load";
 const SIM_THREADS: &str = "sim";
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+/// The thread groups whose CPU a phase reads, and their indices in [`Cpu`].
+const GROUPS: usize = 4;
+const THREADS: [&str; GROUPS] = [EPP_THREADS, FLOOR_THREADS, LOAD_THREADS, SIM_THREADS];
+const EPP: usize = 0;
+const FLOOR: usize = 1;
+const LOAD: usize = 2;
+const SIM: usize = 3;
 
 // ---------------------------------------------------------------------------
 // The floor: TLS + gRPC + ext_proc, no parsing, always pod 0.
@@ -285,13 +287,7 @@ fn epp_histogram(epp: &Epp, name: &str) -> (f64, f64) {
         .picker
         .metrics
         .render(epp.registry(), epp.policy().loaded_hash().as_deref());
-    let total = |suffix: &str| -> f64 {
-        let series = format!("{name}_{suffix}");
-        text.lines()
-            .filter(|l| l.split(['{', ' ']).next() == Some(series.as_str()))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    let total = |suffix: &str| metric_sum(&text, &format!("{name}_{suffix}"));
     (total("count"), total("sum"))
 }
 
@@ -375,160 +371,10 @@ fn bodies() -> Vec<Bytes> {
         .collect()
 }
 
-// ---------------------------------------------------------------------------
-// CPU clocks.
-// ---------------------------------------------------------------------------
-
-/// Sum of the first `schedstat` field (ns on CPU) of the tasks in `dir`
-/// whose name starts with `prefix` (all when empty).
-fn tasks_cpu(dir: &str, prefix: &str) -> Duration {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Duration::ZERO;
-    };
-    let mut total = 0u64;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if !prefix.is_empty()
-            && !std::fs::read_to_string(path.join("comm")).is_ok_and(|c| c.starts_with(prefix))
-        {
-            continue;
-        }
-        if let Ok(stat) = std::fs::read_to_string(path.join("schedstat"))
-            && let Some(ns) = stat
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-        {
-            total += ns;
-        }
-    }
-    Duration::from_nanos(total)
-}
-
-/// CPU time of this process's threads named `prefix…` (a runtime's threads).
-fn runtime_cpu(prefix: &str) -> Duration {
-    tasks_cpu("/proc/self/task", prefix)
-}
-
-fn process_cpu(pid: Option<u32>) -> Duration {
-    pid.map_or(Duration::ZERO, |pid| {
-        tasks_cpu(&format!("/proc/{pid}/task"), "")
-    })
-}
-
-/// utime + stime of `/proc/<pid>/stat`, in clock ticks.
-fn process_ticks(pid: &str) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    get(11) + get(12)
-}
-
-/// Busy and total ticks of all CPUs (`/proc/stat`).
-fn machine_ticks() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let v: Vec<u64> = stat
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    let total: u64 = v.iter().take(8).sum();
-    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
-    (total.saturating_sub(idle), total)
-}
-
 /// This process's children named `envoy…` (Envoy runs as our child, killed
 /// on drop).
 fn envoy_children() -> Vec<u32> {
-    let me = std::process::id();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                return false;
-            };
-            let Some((head, rest)) = stat.rsplit_once(')') else {
-                return false;
-            };
-            let comm = head.split_once('(').map_or("", |(_, c)| c);
-            let ppid = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok());
-            ppid == Some(me) && comm.starts_with("envoy")
-        })
-        .collect()
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .trim()
-        .to_string()
-}
-
-/// Clocks at one instant.
-#[derive(Clone, Copy)]
-struct Mark {
-    at: Instant,
-    epp: Duration,
-    floor: Duration,
-    load: Duration,
-    sim: Duration,
-    envoy: Duration,
-    machine_busy: u64,
-    machine_total: u64,
-    /// This process's and the active Envoy's ticks.
-    ours: u64,
-}
-
-impl Mark {
-    fn now(envoy: Option<u32>) -> Self {
-        let (machine_busy, machine_total) = machine_ticks();
-        Mark {
-            at: Instant::now(),
-            epp: runtime_cpu(EPP_THREADS),
-            floor: runtime_cpu(FLOOR_THREADS),
-            load: runtime_cpu(LOAD_THREADS),
-            sim: runtime_cpu(SIM_THREADS),
-            envoy: process_cpu(envoy),
-            machine_busy,
-            machine_total,
-            ours: process_ticks("self") + envoy.map_or(0, |p| process_ticks(&p.to_string())),
-        }
-    }
-}
-
-/// CPU used between two marks.
-#[derive(Default, Clone, Copy)]
-struct Cpu {
-    epp: Duration,
-    floor: Duration,
-    load: Duration,
-    sim: Duration,
-    envoy: Duration,
-    /// Share of the machine used by other processes (0..1).
-    others: f64,
-}
-
-impl Cpu {
-    fn between(a: &Mark, b: &Mark) -> Cpu {
-        let busy = b.machine_busy.saturating_sub(a.machine_busy) as f64;
-        let total = b.machine_total.saturating_sub(a.machine_total).max(1) as f64;
-        let ours = b.ours.saturating_sub(a.ours) as f64;
-        Cpu {
-            epp: b.epp.saturating_sub(a.epp),
-            floor: b.floor.saturating_sub(a.floor),
-            load: b.load.saturating_sub(a.load),
-            sim: b.sim.saturating_sub(a.sim),
-            envoy: b.envoy.saturating_sub(a.envoy),
-            others: ((busy - ours) / total).max(0.0),
-        }
-    }
+    cpu::children_named("envoy")
 }
 
 // ---------------------------------------------------------------------------
@@ -558,59 +404,54 @@ struct Gateway {
     pid: Option<u32>,
 }
 
-#[derive(Clone, Copy)]
-struct PhaseSpec {
-    concurrency: usize,
-    warmup: u64,
-    requests: u64,
-    max_time: Duration,
-}
-
 #[derive(Default)]
 struct PhaseResult {
-    latencies: Vec<Duration>,
-    errors: u64,
-    first_error: Option<String>,
+    tally: Tally,
     /// `x-sim-server` → requests.
     served: BTreeMap<String, u64>,
-    elapsed: Duration,
-    /// Completions and time from the end of the warm-up until the first
-    /// client found no request left (neither ramp counts).
-    steady: Option<(u64, Duration)>,
-    truncated: bool,
-    cpu: Cpu,
+    window: Window<GROUPS>,
+}
+
+impl Outcome for PhaseResult {
+    fn tally(&mut self) -> &mut Tally {
+        &mut self.tally
+    }
+
+    fn merge(&mut self, other: Self) {
+        self.tally.merge(other.tally);
+        for (k, v) in other.served {
+            *self.served.entry(k).or_default() += v;
+        }
+    }
 }
 
 impl PhaseResult {
     fn measured(&self) -> u64 {
-        self.latencies.len() as u64 + self.errors
+        self.tally.measured()
     }
 
     fn rps(&self) -> f64 {
-        match self.steady {
-            Some((n, d)) if n > 0 => n as f64 / d.as_secs_f64().max(1e-9),
-            _ => self.measured() as f64 / self.elapsed.as_secs_f64().max(1e-9),
-        }
+        self.window.rps(self.measured())
     }
 
     fn quantile(&self, q: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((self.latencies.len() as f64 * q).ceil() as usize).clamp(1, self.latencies.len());
-        self.latencies[i - 1]
+        self.tally.quantile(q)
+    }
+
+    fn cpu(&self) -> &Cpu<GROUPS> {
+        &self.window.cpu
     }
 
     fn per_request(&self, d: Duration) -> f64 {
-        d.as_secs_f64() * 1e6 / self.measured().max(1) as f64
+        per_request_us(d, self.measured())
     }
 
     /// The ext_proc server's CPU in this phase (none for the static route).
     fn server_cpu(&self, kind: Kind) -> Option<Duration> {
         match kind {
             Kind::Static => None,
-            Kind::Floor => Some(self.cpu.floor),
-            Kind::Epp => Some(self.cpu.epp),
+            Kind::Floor => Some(self.cpu()[FLOOR]),
+            Kind::Epp => Some(self.cpu()[EPP]),
         }
     }
 }
@@ -647,97 +488,41 @@ async fn run_phase(
     spec: PhaseSpec,
     envoy: Option<u32>,
 ) -> PhaseResult {
-    let next = Arc::new(AtomicU64::new(0));
-    let completed = Arc::new(AtomicU64::new(0));
-    let total = spec.warmup + spec.requests;
-    let deadline = Instant::now() + spec.max_time;
-    let measured_from: Arc<Mutex<Option<Mark>>> = Arc::default();
-    let first_exit: Arc<Mutex<Option<(Instant, u64)>>> = Arc::default();
+    let phase = Arc::new(Phase::new(&spec, Clocks::new(THREADS).with_child(envoy)));
     let url: Arc<str> = url.into();
     let mut tasks = Vec::new();
     for _ in 0..spec.concurrency {
-        let (http, url, bodies) = (http.clone(), url.clone(), bodies.clone());
-        let (next, completed) = (next.clone(), completed.clone());
-        let (measured_from, first_exit) = (measured_from.clone(), first_exit.clone());
+        let (http, url, bodies, phase) = (http.clone(), url.clone(), bodies.clone(), phase.clone());
         tasks.push(tokio::spawn(async move {
             let mut out = PhaseResult::default();
-            loop {
-                let id = next.fetch_add(1, Ordering::Relaxed);
-                if id >= total {
-                    first_exit
-                        .lock()
-                        .unwrap()
-                        .get_or_insert((Instant::now(), completed.load(Ordering::Relaxed)));
-                    break;
-                }
-                if Instant::now() > deadline {
-                    out.truncated = true;
-                    break;
-                }
-                if id == spec.warmup {
-                    *measured_from.lock().unwrap() = Some(Mark::now(envoy));
-                }
+            while let Some(Turn { id, measured }) = phase.next() {
                 let body = bodies[id as usize % bodies.len()].clone();
                 let started = Instant::now();
                 let result = send(&http, &url, body).await;
                 let latency = started.elapsed();
-                if id < spec.warmup {
+                if !measured {
                     continue;
                 }
-                completed.fetch_add(1, Ordering::Relaxed);
+                phase.completed();
                 match result {
                     Ok(server) => {
-                        out.latencies.push(latency);
+                        out.tally.latencies.push(latency);
                         *out.served.entry(server).or_default() += 1;
                     }
-                    Err(e) => {
-                        out.errors += 1;
-                        out.first_error.get_or_insert_with(|| format!("{e:#}"));
-                    }
+                    Err(e) => out.tally.error(e),
                 }
             }
             out
         }));
     }
-    let mut result = PhaseResult::default();
-    for t in tasks {
-        match t.await {
-            Ok(r) => {
-                result.latencies.extend(r.latencies);
-                result.errors += r.errors;
-                result.truncated |= r.truncated;
-                if result.first_error.is_none() {
-                    result.first_error = r.first_error;
-                }
-                for (k, v) in r.served {
-                    *result.served.entry(k).or_default() += v;
-                }
-            }
-            Err(e) => {
-                result.errors += 1;
-                result.first_error.get_or_insert_with(|| e.to_string());
-            }
-        }
-    }
-    let end = Mark::now(envoy);
-    if let Some(start) = *measured_from.lock().unwrap() {
-        result.elapsed = end.at - start.at;
-        result.cpu = Cpu::between(&start, &end);
-        if let Some((at, n)) = *first_exit.lock().unwrap() {
-            result.steady = Some((n, at.saturating_duration_since(start.at)));
-        }
-    }
-    result.latencies.sort_unstable();
+    let (mut result, window) = phase.join(tasks).await;
+    result.window = window;
     result
 }
 
 // ---------------------------------------------------------------------------
 // Report.
 // ---------------------------------------------------------------------------
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
 
 fn print_header() {
     println!(
@@ -747,14 +532,13 @@ fn print_header() {
 }
 
 fn print_row(label: &str, kind: Kind, spec: &PhaseSpec, r: &PhaseResult) {
-    let secs = r.elapsed.as_secs_f64().max(1e-9);
-    let cores = |d: Duration| d.as_secs_f64() / secs;
+    let cores = |d: Duration| r.window.cores(d);
     let server = r.server_cpu(kind);
     // Outside its own phase the EPP runtime only scrapes.
     let epp_idle = if kind == Kind::Epp {
         "-".to_string()
     } else {
-        format!("{:.2}", cores(r.cpu.epp))
+        format!("{:.2}", cores(r.cpu()[EPP]))
     };
     println!(
         "| {label} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.0} | {} / {:.2} / {:.2} / {:.2} / {epp_idle} / {:.2} | {}{} |",
@@ -764,25 +548,21 @@ fn print_row(label: &str, kind: Kind, spec: &PhaseSpec, r: &PhaseResult) {
         ms(r.quantile(0.50)),
         ms(r.quantile(0.90)),
         ms(r.quantile(0.99)),
-        ms(r.latencies.last().copied().unwrap_or_default()),
+        ms(r.tally.max()),
         server.map_or("-".to_string(), |d| format!("{:.0}", r.per_request(d))),
-        r.per_request(r.cpu.envoy),
+        r.per_request(r.cpu().child),
         server.map_or("-".to_string(), |d| format!("{:.2}", cores(d))),
-        cores(r.cpu.envoy),
-        cores(r.cpu.load),
-        cores(r.cpu.sim),
-        r.cpu.others * std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
-        r.errors,
-        if r.truncated { " (time cap hit)" } else { "" },
+        cores(r.cpu().child),
+        cores(r.cpu()[LOAD]),
+        cores(r.cpu()[SIM]),
+        r.cpu().others_cores(),
+        r.tally.errors,
+        if r.window.truncated {
+            " (time cap hit)"
+        } else {
+            ""
+        },
     );
-}
-
-fn ratio(a: f64, b: f64) -> String {
-    if b > 0.005 {
-        format!("{:.2}×", a / b)
-    } else {
-        "n/a".to_string()
-    }
 }
 
 /// Added latency and CPU of the floor and the EPP over the static route of
@@ -797,9 +577,9 @@ fn print_comparison(label: &str, phases: &BTreeMap<Kind, PhaseResult>) {
     };
     let added = |r: &PhaseResult, q: f64| ms(r.quantile(q)) - ms(s.quantile(q));
     let (f50, e50, f99, e99) = (added(f, 0.5), added(e, 0.5), added(f, 0.99), added(e, 0.99));
-    let epp_cpu = e.per_request(e.cpu.epp);
-    let floor_cpu = f.per_request(f.cpu.floor);
-    let envoy_static = s.per_request(s.cpu.envoy);
+    let epp_cpu = e.per_request(e.cpu()[EPP]);
+    let floor_cpu = f.per_request(f.cpu()[FLOOR]);
+    let envoy_static = s.per_request(s.cpu().child);
     println!(
         "| {label} | {e50:+.2} | {f50:+.2} | {} | {e99:+.2} | {f99:+.2} | {} | {:.0} / {:.0} / {:.0} | {epp_cpu:.0} / {floor_cpu:.0} = {} | {} | {:.0} / {:.0} / {envoy_static:.0} |",
         ratio(e50, f50),
@@ -809,24 +589,14 @@ fn print_comparison(label: &str, phases: &BTreeMap<Kind, PhaseResult>) {
         s.rps(),
         ratio(epp_cpu, floor_cpu),
         ratio(epp_cpu, envoy_static),
-        e.per_request(e.cpu.envoy),
-        f.per_request(f.cpu.envoy),
+        e.per_request(e.cpu().child),
+        f.per_request(f.cpu().child),
     );
 }
 
 // ---------------------------------------------------------------------------
 // Setup and run.
 // ---------------------------------------------------------------------------
-
-fn runtime(name: &str, workers: usize) -> anyhow::Result<Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers.max(1))
-        .thread_name(name)
-        // Blocking-pool threads that exit take their CPU time with them.
-        .thread_keep_alive(Duration::from_secs(3600))
-        .enable_all()
-        .build()?)
-}
 
 async fn sim(config: SimConfig) -> anyhow::Result<SimHandle> {
     Ok(kinference_simulator::spawn(config, "127.0.0.1:0".parse()?).await?)
@@ -863,7 +633,7 @@ fn main() -> anyhow::Result<()> {
             "examples/pii-stays-local.yaml (pii classifier, prefix-aware PredictedTTFT)",
         ),
     };
-    let load_start = loadavg();
+    let load_start = cpu::loadavg();
 
     // Separate runtimes, like separate processes: their threads' CPU is read
     // apart.
@@ -993,11 +763,12 @@ fn main() -> anyhow::Result<()> {
     }
 
     // The EPP at rest: its runtime only scrapes.
-    let idle_start = Mark::now(None);
+    let clocks = Clocks::new(THREADS);
+    let idle_start = clocks.mark();
     std::thread::sleep(Duration::from_secs(2));
-    let idle = Cpu::between(&idle_start, &Mark::now(None));
+    let idle = Cpu::between(&idle_start, &clocks.mark());
 
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cores = cores();
     println!(
         "envoy_load: Envoy {envoy_version} (pinned {}), {envoy_workers} Envoy workers, {cores} cores, load average at start {load_start}",
         ENVOY_VERSION.trim()
@@ -1016,7 +787,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "EPP runtime at rest (scraper only): {:.1} ms CPU per second",
-        idle.epp.as_secs_f64() * 1e3 / 2.0
+        idle[EPP].as_secs_f64() * 1e3 / 2.0
     );
     println!();
     print_header();
@@ -1056,7 +827,7 @@ fn main() -> anyhow::Result<()> {
                 if g.kind == Kind::Epp {
                     note.push_str(&format!("; {}", Inside::read(&epp).describe(&before)));
                 }
-                if let Some(e) = &r.first_error {
+                if let Some(e) = &r.tally.first_error {
                     note.push_str(&format!("; first error: {e}"));
                 }
                 notes.push(note);
@@ -1084,7 +855,7 @@ fn main() -> anyhow::Result<()> {
         print_comparison(label, phases);
     }
     println!();
-    println!("load average at end: {}", loadavg());
+    println!("load average at end: {}", cpu::loadavg());
 
     // Shut down: Envoys first, then the servers.
     load_rt.block_on(async {

@@ -45,7 +45,6 @@ use kinference_epp::extproc::reply as epp_reply;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -67,6 +66,10 @@ use kinference_epp::extproc::{
 };
 use kinference_epp::server::{Epp, Settings};
 use kinference_testbed::extproc_client::{BodyMode, HttpRequest};
+use kinference_testbed::load::{
+    Clocks, Outcome, Phase, PhaseSpec, Tally, Turn, Window, cores, cpu, env_or, metric_sum, ms,
+    runtime,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;
@@ -86,13 +89,14 @@ const LARGE_GROUPS: usize = 16;
 const LARGE_PREFIX_BYTES: usize = 150 * 1024;
 const LARGE_TAIL_BYTES: usize = 70 * 1024;
 const MAX_MESSAGE: usize = 64 * 1024 * 1024;
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+/// Thread-name prefixes of the two runtimes.
+const SERVER_THREADS: &str = "srv";
+const LOAD_THREADS: &str = "load";
+/// The thread groups whose CPU a phase reads, and their indices in its
+/// [`kinference_testbed::load::Cpu`].
+const GROUPS: usize = 2;
+const SERVER: usize = 0;
+const LOAD: usize = 1;
 
 // ---------------------------------------------------------------------------
 // The floor: gRPC + ext_proc, no parsing, no decision.
@@ -617,8 +621,11 @@ async fn one_request(
         let dest = destination
             .clone()
             .ok_or_else(|| anyhow::anyhow!("no destination header"))?;
-        if !dest.starts_with("provider/") && lb.as_deref() != Some(dest.as_str()) {
-            anyhow::bail!("header {dest:?} and envoy.lb metadata {lb:?} differ");
+        // The header names the selected endpoint; the metadata lists it first,
+        // then the fallbacks.
+        let listed_first = lb.as_deref().and_then(|l| l.split(',').next());
+        if !dest.starts_with("provider/") && listed_first != Some(dest.as_str()) {
+            anyhow::bail!("header {dest:?} is not the first endpoint of envoy.lb metadata {lb:?}");
         }
         if streamed && echoed != expected_body {
             anyhow::bail!("streamed body: {echoed} bytes back, {expected_body} sent");
@@ -676,13 +683,11 @@ async fn one_request(
     })
 }
 
+/// One phase: its requests, clients and time cap, and how the body is sent.
 #[derive(Clone, Copy)]
-struct PhaseSpec {
-    requests: u64,
-    warmup: u64,
-    concurrency: usize,
+struct Spec {
+    phase: PhaseSpec,
     mode: BodyMode,
-    max_time: Duration,
     /// Mean time the upstream holds each request after the decision (uniform
     /// 0.5×–1.5×); zero: the next request starts at once (closed loop, the
     /// EPP saturated).
@@ -691,32 +696,22 @@ struct PhaseSpec {
 
 #[derive(Default)]
 struct PhaseResult {
-    latencies: Vec<Duration>,
-    errors: u64,
-    first_error: Option<String>,
+    tally: Tally,
     statuses: HashMap<i32, u64>,
     rules: HashMap<String, u64>,
     destinations: HashMap<String, u64>,
     /// Per prefix group: requests per destination.
     groups: HashMap<usize, HashMap<String, u64>>,
-    elapsed: Duration,
-    server_cpu: Duration,
-    client_cpu: Duration,
-    /// Share of the machine's CPU used by other processes during the phase.
-    others_busy: f64,
-    /// Completions and time from the end of the warm-up until the first
-    /// stream found no request left.
-    steady: Option<(u64, Duration)>,
-    truncated: bool,
+    window: Window<GROUPS>,
 }
 
-impl PhaseResult {
+impl Outcome for PhaseResult {
+    fn tally(&mut self) -> &mut Tally {
+        &mut self.tally
+    }
+
     fn merge(&mut self, o: PhaseResult) {
-        self.latencies.extend(o.latencies);
-        self.errors += o.errors;
-        if self.first_error.is_none() {
-            self.first_error = o.first_error;
-        }
+        self.tally.merge(o.tally);
         for (k, v) in o.statuses {
             *self.statuses.entry(k).or_default() += v;
         }
@@ -733,55 +728,41 @@ impl PhaseResult {
             }
         }
     }
+}
 
+impl PhaseResult {
     fn measured(&self) -> u64 {
-        self.latencies.len() as u64 + self.errors + self.statuses.values().sum::<u64>()
+        self.tally.measured() + self.statuses.values().sum::<u64>()
     }
 
     /// Completions per second while every stream was busy (from the end of
     /// the warm-up until the first stream ran out of requests), so neither
     /// ramp-up nor ramp-down counts.
     fn rps(&self) -> f64 {
-        match self.steady {
-            Some((n, d)) if n > 0 => n as f64 / d.as_secs_f64().max(1e-9),
-            _ => self.measured() as f64 / self.elapsed.as_secs_f64().max(1e-9),
-        }
+        self.window.rps(self.measured())
     }
 
     fn quantile(&self, q: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((self.latencies.len() as f64 * q).ceil() as usize).clamp(1, self.latencies.len());
-        self.latencies[i - 1]
+        self.tally.quantile(q)
     }
 
     fn cpu_per_request(&self) -> Duration {
-        self.server_cpu / self.measured().max(1) as u32
+        self.window.cpu[SERVER] / self.measured().max(1) as u32
     }
 }
 
 async fn run_phase(
     clients: &[Client],
     workload: Arc<Workload>,
-    spec: PhaseSpec,
-    server_threads: &str,
+    spec: Spec,
+    server_threads: &'static str,
 ) -> PhaseResult {
-    let next = Arc::new(AtomicU64::new(0));
-    let total = spec.warmup + spec.requests;
-    let deadline = Instant::now() + spec.max_time;
-    let measured_from: Arc<std::sync::Mutex<Option<Mark>>> = Arc::default();
-    let first_exit: Arc<std::sync::Mutex<Option<(Instant, u64)>>> = Arc::default();
-    let completed = Arc::new(AtomicU64::new(0));
+    let clocks = Clocks::new([server_threads, LOAD_THREADS]);
+    let phase = Arc::new(Phase::new(&spec.phase, clocks));
     let mut tasks = Vec::new();
-    for w in 0..spec.concurrency {
+    for w in 0..spec.phase.concurrency {
         let mut client = clients[w % clients.len()].clone();
-        let workload = workload.clone();
-        let next = next.clone();
-        let measured_from = measured_from.clone();
-        let first_exit = first_exit.clone();
-        let completed = completed.clone();
-        let server_threads = server_threads.to_string();
+        let (workload, phase) = (workload.clone(), phase.clone());
         tasks.push(tokio::spawn(async move {
             let mut out = PhaseResult::default();
             let mut rng = StdRng::seed_from_u64(w as u64);
@@ -789,22 +770,7 @@ async fn run_phase(
                 // Stagger the streams so they do not move in lockstep.
                 tokio::time::sleep(spec.upstream.mul_f64(rng.random_range(0.0..1.0))).await;
             }
-            loop {
-                let id = next.fetch_add(1, Ordering::Relaxed);
-                if id >= total {
-                    let mut first = first_exit.lock().unwrap();
-                    if first.is_none() {
-                        *first = Some((Instant::now(), completed.load(Ordering::Relaxed)));
-                    }
-                    break;
-                }
-                if Instant::now() > deadline {
-                    out.truncated = true;
-                    break;
-                }
-                if id == spec.warmup {
-                    *measured_from.lock().unwrap() = Some(Mark::now(&server_threads));
-                }
+            while let Some(Turn { id, measured }) = phase.next() {
                 let (body, group) = workload.body(id);
                 let mut request = HttpRequest::post("/v1/chat/completions", body);
                 if let BodyMode::Streamed(n) = spec.mode {
@@ -813,17 +779,17 @@ async fn run_phase(
                 let ttft_ms = rng.random_range(40.0..120.0);
                 let upstream = spec.upstream.mul_f64(rng.random_range(0.5..1.5));
                 let result = one_request(&mut client, &request, ttft_ms, upstream).await;
-                if id < spec.warmup {
+                if !measured {
                     continue;
                 }
-                completed.fetch_add(1, Ordering::Relaxed);
+                phase.completed();
                 match result {
                     Ok(d) => {
                         if let Some(status) = d.immediate {
                             *out.statuses.entry(status).or_default() += 1;
                             continue;
                         }
-                        out.latencies.push(d.latency);
+                        out.tally.latencies.push(d.latency);
                         let rule = d.rule.unwrap_or_else(|| "-".to_string());
                         *out.rules.entry(rule).or_default() += 1;
                         let first = d
@@ -839,144 +805,20 @@ async fn run_phase(
                             .or_default() += 1;
                         *out.destinations.entry(first).or_default() += 1;
                     }
-                    Err(e) => {
-                        out.errors += 1;
-                        if out.first_error.is_none() {
-                            out.first_error = Some(format!("{e:#}"));
-                        }
-                    }
+                    Err(e) => out.tally.error(e),
                 }
             }
             out
         }));
     }
-    let mut result = PhaseResult::default();
-    for t in tasks {
-        match t.await {
-            Ok(r) => {
-                result.truncated |= r.truncated;
-                result.merge(r);
-            }
-            Err(e) => {
-                result.errors += 1;
-                result.first_error.get_or_insert_with(|| e.to_string());
-            }
-        }
-    }
-    let end = Mark::now(server_threads);
-    if let Some(start) = *measured_from.lock().unwrap() {
-        result.elapsed = end.at - start.at;
-        result.server_cpu = end.server.saturating_sub(start.server);
-        result.client_cpu = end.client.saturating_sub(start.client);
-        let busy = end.machine_busy.saturating_sub(start.machine_busy) as f64;
-        let total = end.machine_total.saturating_sub(start.machine_total).max(1) as f64;
-        let own = end.own_ticks.saturating_sub(start.own_ticks) as f64;
-        result.others_busy = ((busy - own) / total).max(0.0);
-        if let Some((at, n)) = *first_exit.lock().unwrap() {
-            result.steady = Some((n, at.saturating_duration_since(start.at)));
-        }
-    }
-    result.latencies.sort_unstable();
+    let (mut result, window) = phase.join(tasks).await;
+    result.window = window;
     result
-}
-
-/// Clocks at one instant: wall, the servers' and the load generator's
-/// threads, the whole machine and this process (clock ticks).
-#[derive(Clone, Copy)]
-struct Mark {
-    at: Instant,
-    server: Duration,
-    client: Duration,
-    machine_busy: u64,
-    machine_total: u64,
-    own_ticks: u64,
-}
-
-impl Mark {
-    fn now(server_threads: &str) -> Self {
-        let (machine_busy, machine_total) = machine_ticks();
-        Mark {
-            at: Instant::now(),
-            server: thread_cpu(server_threads),
-            client: thread_cpu("load"),
-            machine_busy,
-            machine_total,
-            own_ticks: own_ticks(),
-        }
-    }
-}
-
-/// Busy and total ticks of all CPUs (`/proc/stat`).
-fn machine_ticks() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let Some(line) = stat.lines().next() else {
-        return (0, 0);
-    };
-    let v: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    let total: u64 = v.iter().take(8).sum();
-    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
-    (total.saturating_sub(idle), total)
-}
-
-/// This process's user + system ticks (`/proc/self/stat`).
-fn own_ticks() -> u64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the parenthesised command name; utime and stime are 14 and 15.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    get(11) + get(12)
-}
-
-/// Number of this process's threads whose name starts with `prefix`.
-fn thread_count(prefix: &str) -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |dir| {
-        dir.flatten()
-            .filter(|e| {
-                std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with(prefix))
-            })
-            .count()
-    })
-}
-
-/// CPU time of this process's threads whose name starts with `prefix`
-/// (Linux schedstat, nanoseconds); zero elsewhere.
-fn thread_cpu(prefix: &str) -> Duration {
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return Duration::ZERO;
-    };
-    let mut total = 0u64;
-    for entry in dir.flatten() {
-        let path = entry.path();
-        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
-            continue;
-        };
-        if !comm.starts_with(prefix) {
-            continue;
-        }
-        if let Ok(stat) = std::fs::read_to_string(path.join("schedstat"))
-            && let Some(ns) = stat
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-        {
-            total += ns;
-        }
-    }
-    Duration::from_nanos(total)
 }
 
 // ---------------------------------------------------------------------------
 // Report.
 // ---------------------------------------------------------------------------
-
-fn ms(d: Duration) -> String {
-    format!("{:.2}", d.as_secs_f64() * 1e3)
-}
 
 fn print_header() {
     println!(
@@ -985,7 +827,7 @@ fn print_header() {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|");
 }
 
-fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
+fn print_row(label: &str, spec: &Spec, r: &PhaseResult) {
     let rejects = if r.statuses.is_empty() {
         "-".to_string()
     } else {
@@ -994,21 +836,25 @@ fn print_row(label: &str, spec: &PhaseSpec, r: &PhaseResult) {
         s.join(" ")
     };
     println!(
-        "| {label} | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {:.2} / {:.2} / {:.2} | {} | {}{} |",
+        "| {label} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} / {:.2} / {:.2} | {} | {}{} |",
         r.measured(),
-        spec.concurrency,
+        spec.phase.concurrency,
         r.rps(),
         ms(r.quantile(0.50)),
         ms(r.quantile(0.90)),
         ms(r.quantile(0.99)),
-        ms(r.latencies.last().copied().unwrap_or_default()),
+        ms(r.tally.max()),
         r.cpu_per_request().as_secs_f64() * 1e6,
-        r.server_cpu.as_secs_f64() / r.elapsed.as_secs_f64().max(1e-9),
-        r.client_cpu.as_secs_f64() / r.elapsed.as_secs_f64().max(1e-9),
-        r.others_busy * std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
-        r.errors,
+        r.window.cores(r.window.cpu[SERVER]),
+        r.window.cores(r.window.cpu[LOAD]),
+        r.window.cpu.others_cores(),
+        r.tally.errors,
         rejects,
-        if r.truncated { " (time cap hit)" } else { "" },
+        if r.window.truncated {
+            " (time cap hit)"
+        } else {
+            ""
+        },
     );
 }
 
@@ -1031,19 +877,34 @@ fn routing_line(label: &str, r: &PhaseResult, groups: usize) -> String {
         "- {label}: rules [{}]; {} endpoints used (busiest {busiest}); per prefix group {mean:.1} endpoints on average, {:.0}% of requests on the group's top endpoint",
         rules.join(", "),
         r.destinations.len(),
-        100.0 * top as f64 / r.latencies.len().max(1) as f64,
+        100.0 * top as f64 / r.tally.latencies.len().max(1) as f64,
     );
-    if let Some(e) = &r.first_error {
+    if let Some(e) = &r.tally.first_error {
         line.push_str(&format!("; first error: {e}"));
     }
     line
+}
+
+/// A target's verdict; none when no request was answered, and the errors,
+/// if any, beside it.
+fn verdict(met: bool, tally: &Tally) -> String {
+    let mut v = match (tally.latencies.is_empty(), met) {
+        (true, _) => "NOT MEASURED (no request answered)",
+        (false, true) => "MET",
+        (false, false) => "MISSED",
+    }
+    .to_string();
+    if tally.errors > 0 {
+        v.push_str(&format!(" ({} errors)", tally.errors));
+    }
+    v
 }
 
 struct Scenario {
     name: String,
     /// For `LOAD_PHASES` and the command-line filter.
     key: &'static str,
-    /// See [`PhaseSpec::upstream`].
+    /// See [`Spec::upstream`].
     upstream: Duration,
     workload: Arc<Workload>,
     requests: u64,
@@ -1099,17 +960,8 @@ impl EppCounters {
     fn read(epp: &Epp) -> Self {
         let hash = epp.policy().loaded_hash();
         let text = epp.picker.metrics.render(epp.registry(), hash.as_deref());
-        let sum = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| !l.starts_with('#'))
-                .filter(|l| {
-                    l.split(['{', ' '])
-                        .next()
-                        .is_some_and(|n| n == name || n == format!("{name}_total"))
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        };
+        let sum =
+            |name: &str| metric_sum(&text, name) + metric_sum(&text, &format!("{name}_total"));
         EppCounters {
             decisions: sum("kinference_epp_decision_duration_seconds_count"),
             decision_seconds: sum("kinference_epp_decision_duration_seconds_sum"),
@@ -1158,17 +1010,8 @@ fn main() -> anyhow::Result<()> {
     // Two runtimes, like two processes: the servers (EPP and floor, with their
     // blocking pools) and the load generator. Named threads let us read the
     // servers' CPU time apart from the client's.
-    let server_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(server_threads)
-        .thread_name("srv")
-        .thread_keep_alive(Duration::from_secs(3600))
-        .enable_all()
-        .build()?;
-    let client_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(client_threads)
-        .thread_name("load")
-        .enable_all()
-        .build()?;
+    let server_rt = runtime(SERVER_THREADS, server_threads)?;
+    let client_rt = runtime(LOAD_THREADS, client_threads)?;
 
     let epp = build_epp();
     let refresher = server_rt.spawn(refresh_metrics(epp.clone()));
@@ -1244,7 +1087,7 @@ fn main() -> anyhow::Result<()> {
 
     println!(
         "extproc_load: {} cores, server runtime {server_threads} workers, load generator {client_threads} workers, {connections} gRPC connections per server, {ENDPOINTS} endpoints, policy examples/pii-stays-local.yaml",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cores(),
     );
     let mut verdicts = Vec::new();
     for sc in &scenarios {
@@ -1256,12 +1099,14 @@ fn main() -> anyhow::Result<()> {
             ("buffered", BodyMode::Buffered),
             ("streamed", BodyMode::Streamed(CHUNK)),
         ] {
-            let spec = PhaseSpec {
-                requests: sc.requests,
-                warmup: sc.warmup,
-                concurrency: sc.concurrency,
+            let spec = Spec {
+                phase: PhaseSpec {
+                    requests: sc.requests,
+                    warmup: sc.warmup,
+                    concurrency: sc.concurrency,
+                    max_time,
+                },
                 mode,
-                max_time,
                 upstream: sc.upstream,
             };
             let mut floor: Option<PhaseResult> = None;
@@ -1276,11 +1121,11 @@ fn main() -> anyhow::Result<()> {
                     &server.clients,
                     sc.workload.clone(),
                     spec,
-                    "srv",
+                    SERVER_THREADS,
                 ));
                 print_row(&label, &spec, &r);
                 if server.name == "floor" {
-                    if r.errors > 0 {
+                    if r.tally.errors > 0 {
                         notes.push(routing_line(&label, &r, sc.workload.groups()));
                     }
                     floor = Some(r);
@@ -1299,10 +1144,10 @@ fn main() -> anyhow::Result<()> {
                 let cpu_added = r.cpu_per_request().saturating_sub(floor.cpu_per_request());
                 let (met, target) = match sc.target {
                     Target::RatioOfFloor(x) => (ratio <= x, format!("EPP p99 ≤ {x}× floor p99")),
-                    Target::AddedP99(d) => (added < d, format!("added p99 < {} ms", ms(d))),
+                    Target::AddedP99(d) => (added < d, format!("added p99 < {:.2} ms", ms(d))),
                 };
                 verdicts.push(format!(
-                    "{} {label}: EPP/floor p99 {ratio:.2}×, added p99 {} ms, added p50 {} ms, req/s {:.0} vs {:.0} ({:.0}%), added server CPU {:.0} µs/req — target {target}: {}",
+                    "{} {label}: EPP/floor p99 {ratio:.2}×, added p99 {:.2} ms, added p50 {:.2} ms, req/s {:.0} vs {:.0} ({:.0}%), added server CPU {:.0} µs/req — target {target}: {}",
                     sc.name,
                     ms(added),
                     ms(r.quantile(0.5).saturating_sub(floor.quantile(0.5))),
@@ -1310,7 +1155,7 @@ fn main() -> anyhow::Result<()> {
                     floor.rps(),
                     100.0 * r.rps() / floor.rps().max(1e-9),
                     cpu_added.as_secs_f64() * 1e6,
-                    if met { "MET" } else { "MISSED" },
+                    verdict(met, &r.tally),
                 ));
             }
         }
@@ -1322,7 +1167,7 @@ fn main() -> anyhow::Result<()> {
     println!();
     println!(
         "Server runtime threads at the end: {} ({server_threads} workers; the rest is the blocking pool, grown by classifier `spawn_blocking` calls that ran at once).",
-        thread_count("srv")
+        cpu::thread_count(SERVER_THREADS)
     );
     println!();
     println!("### Verdicts");

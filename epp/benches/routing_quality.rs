@@ -15,9 +15,9 @@
 //! behind Envoy configured as the Inference Extension's reference chart
 //! configures it (`Template::Streamed`: ext_proc over TLS with
 //! `FULL_DUPLEX_STREAMED` bodies, an `ORIGINAL_DST` cluster). The bench does
-//! nothing the binary does not do; in particular it does not size the EPP's
-//! prefix index from the simulators' cache size, so the index keeps its
-//! default capacity per endpoint whatever the servers hold.
+//! nothing the binary does not do; in particular the EPP's prefix index is
+//! sized only as the binary sizes it, from each server's scraped KV-cache
+//! size (`cache_config_info`), and keeps its default capacity until then.
 //!
 //! Policies:
 //! - `round-robin`: no EPP at all — Envoy's own `ROUND_ROBIN` over a static
@@ -77,7 +77,7 @@ impl Scenario {
         format!(
             "{} servers × {} slots, prefill {:.0} tok/s, decode {:.0} tok/s, base {:.0} ms; \
              {} families × {}-token shared prefix + {}-token unique suffix, {} output tokens; \
-             prefix cache {} blocks/server (≈ {} prefixes; EPP prefix index at its default {} blocks/endpoint); \
+             prefix cache {} blocks/server (≈ {} prefixes; EPP prefix index sized from the scraped cache, {} blocks/endpoint before the first scrape); \
              Poisson {:.0} req/s; {} requests ({} warm-up)",
             self.servers,
             self.slots,

@@ -5,9 +5,12 @@
 //!   `crates/testbed/envoy/`.
 //! - [`extproc_client`]: the gateway's side of ext_proc, message by message,
 //!   for protocol-level tests and the ext_proc load generator.
+//! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
+//!   statistics and the phase loop.
 //!
 //! Nothing here is part of the shipped EPP or operator.
 #![forbid(unsafe_code)]
 
 pub mod envoy;
 pub mod extproc_client;
+pub mod load;
