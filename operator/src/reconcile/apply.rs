@@ -62,13 +62,16 @@ where
     let ns = obj.meta().namespace.clone().unwrap_or_default();
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
-    let existing = match api.get_metadata_opt(&name).await {
-        Ok(existing) => existing,
+    // A list by name, not a get: the operator's Role holds list (for its
+    // watches) on every kind it generates, but not get on all of them.
+    let params = ListParams::default().fields(&format!("metadata.name={name}"));
+    let existing = match api.list_metadata(&params).await {
+        Ok(list) => list.items,
         // An optional kind the cluster does not serve: nothing to take over.
-        Err(e) if is_missing_kind(&e) => None,
+        Err(e) if is_missing_kind(&e) => Vec::new(),
         Err(e) => {
             return Err(Error::kube(
-                Verb::Get,
+                Verb::List,
                 kind_name::<K>(),
                 format!("{ns}/{name}"),
                 e,
@@ -76,7 +79,8 @@ where
         }
     };
     Ok(existing
-        .filter(|o| {
+        .iter()
+        .find(|o| {
             !o.owner_references()
                 .iter()
                 .any(|r| r.controller == Some(true) && r.uid == uid)
