@@ -3,7 +3,8 @@
 //!
 //! Checks, beyond "never panics or hangs":
 //! - every line is judged exactly as a plain reference parser of the same
-//!   grammar judges it (a copy of the one in `epp/tests/prom_corpus.rs`):
+//!   grammar judges it (`kinference_testbed::prom_reference`, which the
+//!   EPP's parity tests use too):
 //!   accepted or not, and the same name, labels, value and timestamp;
 //! - a legacy metric name is a `[a-zA-Z_:][a-zA-Z0-9_:]*` identifier, a
 //!   legacy label name a `[a-zA-Z_][a-zA-Z0-9_]*` one; a name borrows from
@@ -15,6 +16,7 @@
 #![no_main]
 
 use kinference_epp::endpoints::prom::{self, Sample};
+use kinference_testbed::prom_reference::{OwnedSample as Owned, Rejected, parse_line as reference};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -24,8 +26,11 @@ fuzz_target!(|data: &[u8]| {
     let mut accepted = Vec::new();
     for line in text.split('\n') {
         let ours = prom::parse_line(line);
-        let expected = reference::parse(line);
-        let got = ours.as_ref().map(|s| s.as_ref().map(owned)).map_err(|_| ());
+        let expected = reference(line);
+        let got = ours
+            .as_ref()
+            .map(|s| s.as_ref().map(owned))
+            .map_err(|_| Rejected);
         assert_eq!(got, expected, "line {line:?}: parser and reference differ");
         let name = prom::metric_name(line);
         if let Ok(Some(sample)) = ours {
@@ -99,31 +104,6 @@ fn is_substring(whole: &str, part: &str) -> bool {
     p >= w && p + part.len() <= w + whole.len()
 }
 
-/// One parsed sample, owned, for comparisons.
-#[derive(Debug, Clone)]
-struct Owned {
-    name: String,
-    labels: Vec<(String, String)>,
-    value: f64,
-    timestamp: Option<f64>,
-}
-
-impl PartialEq for Owned {
-    fn eq(&self, o: &Self) -> bool {
-        self.name == o.name
-            && self.labels == o.labels
-            && same_f64(self.value, o.value)
-            && match (self.timestamp, o.timestamp) {
-                (Some(a), Some(b)) => same_f64(a, b),
-                (a, b) => a.is_none() && b.is_none(),
-            }
-    }
-}
-
-fn same_f64(a: f64, b: f64) -> bool {
-    (a.is_nan() && b.is_nan()) || a == b
-}
-
 fn owned(s: &Sample<'_>) -> Owned {
     Owned {
         name: s.name.to_string(),
@@ -133,161 +113,5 @@ fn owned(s: &Sample<'_>) -> Owned {
             .collect(),
         value: s.value,
         timestamp: s.timestamp,
-    }
-}
-
-/// The grammar `prom` documents, written the plain way (a char cursor, owned
-/// strings, no look-ahead tricks): a copy of the reference parser in
-/// `epp/tests/prom_corpus.rs`.
-mod reference {
-    use super::Owned;
-
-    struct Cursor {
-        c: Vec<char>,
-        i: usize,
-    }
-
-    impl Cursor {
-        fn peek(&self) -> Option<char> {
-            self.c.get(self.i).copied()
-        }
-
-        fn blanks(&mut self) {
-            while matches!(self.peek(), Some(' ' | '\t')) {
-                self.i += 1;
-            }
-        }
-
-        fn eat(&mut self, ch: char) -> Result<(), ()> {
-            if self.peek() == Some(ch) {
-                self.i += 1;
-                Ok(())
-            } else {
-                Err(())
-            }
-        }
-
-        /// `"..."`: the raw contents (escapes kept) and the unescaped text.
-        fn quoted(&mut self) -> Result<(String, String), ()> {
-            self.eat('"')?;
-            let (mut raw, mut text) = (String::new(), String::new());
-            loop {
-                match self.peek().ok_or(())? {
-                    '"' => {
-                        self.i += 1;
-                        return Ok((raw, text));
-                    }
-                    '\\' => {
-                        self.i += 1;
-                        let e = self.peek().ok_or(())?;
-                        self.i += 1;
-                        raw.push('\\');
-                        raw.push(e);
-                        text.push(if e == 'n' { '\n' } else { e });
-                    }
-                    ch => {
-                        self.i += 1;
-                        raw.push(ch);
-                        text.push(ch);
-                    }
-                }
-            }
-        }
-
-        fn ident(&mut self, first: fn(char) -> bool, rest: fn(char) -> bool) -> Result<String, ()> {
-            let mut out = String::new();
-            while let Some(ch) = self.peek() {
-                let ok = if out.is_empty() { first(ch) } else { rest(ch) };
-                if !ok {
-                    break;
-                }
-                out.push(ch);
-                self.i += 1;
-            }
-            if out.is_empty() { Err(()) } else { Ok(out) }
-        }
-
-        /// Labels up to and including `}`.
-        fn labels(&mut self) -> Result<Vec<(String, String)>, ()> {
-            let mut out = Vec::new();
-            loop {
-                self.blanks();
-                if self.eat('}').is_ok() {
-                    return Ok(out);
-                }
-                let key = if self.peek() == Some('"') {
-                    self.quoted()?.0
-                } else {
-                    self.ident(
-                        |c| c.is_ascii_alphabetic() || c == '_',
-                        |c| c.is_ascii_alphanumeric() || c == '_',
-                    )?
-                };
-                self.blanks();
-                self.eat('=')?;
-                self.blanks();
-                let value = self.quoted()?.1;
-                out.push((key, value));
-                self.blanks();
-                if self.eat('}').is_ok() {
-                    return Ok(out);
-                }
-                self.eat(',')?;
-            }
-        }
-    }
-
-    pub fn parse(line: &str) -> Result<Option<Owned>, ()> {
-        let line = line.strip_suffix('\r').unwrap_or(line);
-        let line = line.trim_start_matches([' ', '\t']);
-        if line.is_empty() || line.starts_with('#') {
-            return Ok(None);
-        }
-        let mut cur = Cursor {
-            c: line.chars().collect(),
-            i: 0,
-        };
-        let (name, labels) = if cur.eat('{').is_ok() {
-            cur.blanks();
-            let name = cur.quoted()?.0;
-            cur.blanks();
-            let labels = if cur.eat('}').is_ok() {
-                Vec::new()
-            } else {
-                cur.eat(',')?;
-                cur.labels()?
-            };
-            (name, labels)
-        } else {
-            let name = cur.ident(
-                |c| c.is_ascii_alphabetic() || c == '_' || c == ':',
-                |c| c.is_ascii_alphanumeric() || c == '_' || c == ':',
-            )?;
-            let after_name = cur.i;
-            cur.blanks();
-            let labels = if cur.eat('{').is_ok() {
-                cur.labels()?
-            } else {
-                cur.i = after_name;
-                Vec::new()
-            };
-            (name, labels)
-        };
-        if !matches!(cur.peek(), None | Some(' ' | '\t')) {
-            return Err(());
-        }
-        let rest: String = cur.c[cur.i..].iter().collect();
-        let mut fields = rest.split_ascii_whitespace();
-        let value = fields.next().ok_or(())?.parse().map_err(|_| ())?;
-        let timestamp = match fields.next() {
-            None | Some("#") => None,
-            Some(t) => Some(t.parse().map_err(|_| ())?),
-        };
-        Ok(Some(Owned {
-            name,
-            labels,
-            value,
-            timestamp,
-        }))
     }
 }

@@ -7,6 +7,8 @@
 //!   for protocol-level tests and the ext_proc load generator.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
 //!   statistics and the phase loop.
+//! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
+//!   checked against (parity tests, fuzzing).
 //!
 //! Nothing here is part of the shipped EPP or operator.
 #![forbid(unsafe_code)]
@@ -14,3 +16,4 @@
 pub mod envoy;
 pub mod extproc_client;
 pub mod load;
+pub mod prom_reference;
