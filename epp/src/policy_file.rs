@@ -74,7 +74,7 @@ pub fn watch(store: Arc<PolicyStore>, path: PathBuf) -> tokio::task::JoinHandle<
             let now_stamp = stamp(&path);
             if force || now_stamp != last_stamp {
                 last_stamp = now_stamp;
-                check(&store, &path, &mut last_seen);
+                check(&store, &path, &mut last_seen).await;
             }
             tokio::select! {
                 Some(_) = events.recv() => force = true,
@@ -93,8 +93,9 @@ fn content_hash(text: &str) -> u64 {
 
 /// Reads the file and, if what it shows differs from `last`, loads or
 /// reports it.
-fn check(store: &PolicyStore, path: &Path, last: &mut Option<Seen>) {
-    let read = std::fs::read_to_string(path);
+async fn check(store: &PolicyStore, path: &Path, last: &mut Option<Seen>) {
+    // Off the async workers: a policy file can be large.
+    let read = tokio::fs::read_to_string(path).await;
     let seen = match &read {
         Ok(text) => Seen::Content(content_hash(text)),
         Err(error) => Seen::Unreadable(error.to_string()),
