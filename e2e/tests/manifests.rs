@@ -1365,7 +1365,7 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
         ),
         ("update", "kinference.io", "inferencepolicies", ns, None),
         ("delete", "kinference.io", "inferencepolicies", ns, None),
-        ("list", "gateway.networking.k8s.io", "gateways", ns, None),
+        ("patch", "gateway.networking.k8s.io", "gateways", ns, None),
         ("update", "networking.k8s.io", "networkpolicies", ns, None),
         (
             "update",

@@ -50,7 +50,7 @@ fn test_config(metrics: &Metrics) -> Config {
         epp_image: "example.invalid/kinference/epp:test".into(),
         requeue: Requeue {
             resync: Duration::from_secs(60),
-            // Gateways are not watched: notice them quickly.
+            // Only Gateways outside a namespaced operator's scope are polled.
             pending: Duration::from_millis(500),
             error: Duration::from_millis(500),
         },

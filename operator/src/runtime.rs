@@ -2,11 +2,14 @@
 //! stopping cleanly. [`run`] is what the binary calls and what tests call
 //! in-process.
 
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
+use gateway_api::apis::standard::gateways::Gateway;
 use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -18,18 +21,21 @@ use kinference_runtime::watch::{log_outages, watch_backoff};
 use kube::api::PartialObjectMeta;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::cache::{Caches, strip_managed_fields};
 use crate::error::Error;
 use crate::leader::{LeaderElectionConfig, LeaseLock};
 use crate::metrics::{Health, Metrics};
-use crate::reconcile::{self, Context, Requeue};
-use crate::resources::{EppSettings, FIELD_MANAGER, InferencePool};
+use crate::reconcile::{self, Context, Memory, Requeue};
+use crate::resources::{
+    COMPONENT_LABEL, EPP_STATUS_COMPONENT, EppSettings, FIELD_MANAGER, InferencePool,
+};
 
 pub const DEFAULT_EPP_IMAGE: &str = "ghcr.io/kinference/epp:0.1.0";
 
@@ -230,26 +236,6 @@ where
 
 async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     let ns = config.namespace.as_deref();
-    // Only objects carrying the policy label: the operator's own, and the
-    // EPP Pods (their template carries it). Never all ConfigMaps or Pods.
-    let ours = watcher::Config::default().labels(POLICY_LABEL);
-    let ctx = Arc::new(Context {
-        client: client.clone(),
-        epp: EppSettings {
-            image: config.epp_image.clone(),
-            replicas: config.epp_replicas,
-        },
-        requeue: config.requeue.clone(),
-        metrics: config.metrics.clone(),
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: config.instance.clone(),
-            },
-        ),
-    });
-
     // graceful_shutdown_on wants a Sync future; a oneshot receiver is.
     let (tx, rx) = futures::channel::oneshot::channel::<()>();
     let stop_task = tokio::spawn(async move {
@@ -265,7 +251,7 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     // longer pause (minutes in total, measured) during which no event at all
     // is delivered. Hence the stream variants (kube's `unstable-runtime`
     // feature); see the e2e test `keeps_reconciling_after_an_apiserver_restart`.
-    let (store, writer) = reflector::store();
+    let (policy_store, writer) = reflector::store();
     let policies = watcher(
         scoped::<InferencePolicy>(&client, ns),
         watcher::Config::default(),
@@ -273,32 +259,36 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     .backoff(watch_backoff())
     .reflect(writer)
     .applied_objects();
-    let controller = Controller::for_stream(log_outages("InferencePolicy", policies), store)
-        .with_config(controller::Config::default().concurrency(config.concurrency));
-    let controller = owns::<ServiceAccount>(controller, &client, ns, &ours);
-    let controller = owns::<Role>(controller, &client, ns, &ours);
-    let controller = owns::<RoleBinding>(controller, &client, ns, &ours);
-    // The policy ConfigMap, and the EPP status ConfigMap the EPP Pods write:
-    // a Pod reporting a loaded hash or a provider key triggers a reconcile.
-    let controller = owns::<ConfigMap>(controller, &client, ns, &ours);
-    let controller = owns::<NetworkPolicy>(controller, &client, ns, &ours);
-    let controller = owns::<Service>(controller, &client, ns, &ours);
-    let controller = owns::<Deployment>(controller, &client, ns, &ours);
-    let controller = owns::<InferencePool>(controller, &client, ns, &ours);
-    let controller = owns::<HttpRoute>(controller, &client, ns, &ours);
-    let controller = owns::<BackendTlsPolicy>(controller, &client, ns, &ours);
-    // EPP Pods: one coming or going changes which reports count (and a gone
-    // Pod's report is pruned). Metadata is all that is needed.
-    let pods = watcher(scoped::<PartialObjectMeta<Pod>>(&client, ns), ours.clone())
-        .backoff(watch_backoff())
-        .touched_objects();
+    let mut watches = Watches::new(&client, ns);
+    let caches = watches.caches(ns);
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        epp: EppSettings {
+            image: config.epp_image.clone(),
+            replicas: config.epp_replicas,
+        },
+        requeue: config.requeue.clone(),
+        metrics: config.metrics.clone(),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: config.instance.clone(),
+            },
+        ),
+        caches,
+        memory: Memory::default(),
+    });
+    let sweeper = tokio::spawn(forget_deleted_policies(ctx.clone(), policy_store.clone()));
+
+    let controller = Controller::for_stream(
+        log_outages("InferencePolicy", policies),
+        policy_store.clone(),
+    )
+    .with_config(controller::Config::default().concurrency(config.concurrency));
+    let controller = watches.attach(controller, policy_store);
     tracing::info!(namespace = ns.unwrap_or("<all>"), "controller starting");
     controller
-        .watches_stream(log_outages("Pod", pods), |pod: PartialObjectMeta<Pod>| {
-            let policy = pod.labels().get(POLICY_LABEL)?.clone();
-            let ns = pod.namespace()?;
-            Some(ObjectRef::<InferencePolicy>::new(&policy).within(&ns))
-        })
         .graceful_shutdown_on(rx.map(|_| ()))
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|result| async move {
@@ -316,28 +306,261 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
         })
         .await;
     stop_task.abort();
+    sweeper.abort();
     tracing::info!("controller stopped");
 }
 
-fn owns<K>(
-    controller: Controller<InferencePolicy>,
-    client: &Client,
-    ns: Option<&str>,
-    wc: &watcher::Config,
-) -> Controller<InferencePolicy>
+/// Policies deleted without a reconcile seeing them go (no finalizer, or
+/// while the watch was down) leave memory behind: swept once a minute.
+async fn forget_deleted_policies(ctx: Arc<Context>, policies: Store<InferencePolicy>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let live: HashSet<String> = policies.state().iter().filter_map(|p| p.uid()).collect();
+        ctx.memory.retain(|uid| live.contains(uid));
+    }
+}
+
+type Triggers<K> = BoxStream<'static, Result<K, watcher::Error>>;
+
+/// The watches behind the caches and the controller's triggers. Built in two
+/// steps because the reconcile context needs the stores before the
+/// controller takes the streams.
+struct Watches {
+    service_accounts: Watched<PartialObjectMeta<ServiceAccount>>,
+    roles: Watched<PartialObjectMeta<Role>>,
+    role_bindings: Watched<PartialObjectMeta<RoleBinding>>,
+    config_maps: Watched<PartialObjectMeta<ConfigMap>>,
+    epp_reports: Watched<ConfigMap>,
+    network_policies: Watched<PartialObjectMeta<NetworkPolicy>>,
+    services: Watched<PartialObjectMeta<Service>>,
+    deployments: Watched<Deployment>,
+    pods: Watched<PartialObjectMeta<Pod>>,
+    inference_pools: Watched<PartialObjectMeta<InferencePool>>,
+    http_routes: Watched<PartialObjectMeta<HttpRoute>>,
+    backend_tls_policies: Watched<PartialObjectMeta<BackendTlsPolicy>>,
+    gateways: Watched<PartialObjectMeta<Gateway>>,
+}
+
+struct Watched<K: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    triggers: Option<Triggers<K>>,
+}
+
+impl Watches {
+    fn new(client: &Client, ns: Option<&str>) -> Self {
+        // Only objects carrying the policy label: the operator's own, and the
+        // EPP Pods (their template carries it). Never all ConfigMaps or Pods.
+        let ours = watcher::Config::default().labels(POLICY_LABEL);
+        let reports = format!("{POLICY_LABEL},{COMPONENT_LABEL}={EPP_STATUS_COMPONENT}");
+        let policy_config_maps =
+            format!("{POLICY_LABEL},{COMPONENT_LABEL}!={EPP_STATUS_COMPONENT}");
+        Self {
+            service_accounts: watched_meta(client, ns, &ours),
+            roles: watched_meta(client, ns, &ours),
+            role_bindings: watched_meta(client, ns, &ours),
+            config_maps: watched_meta(client, ns, &ours.clone().labels(&policy_config_maps)),
+            epp_reports: watched(client, ns, &ours.clone().labels(&reports)),
+            network_policies: watched_meta(client, ns, &ours),
+            services: watched_meta(client, ns, &ours),
+            deployments: watched(client, ns, &ours),
+            pods: watched_meta(client, ns, &ours),
+            inference_pools: watched_meta(client, ns, &ours),
+            http_routes: watched_meta(client, ns, &ours),
+            backend_tls_policies: watched_meta(client, ns, &ours),
+            gateways: watch_gateways(client, ns),
+        }
+    }
+
+    fn caches(&self, ns: Option<&str>) -> Caches {
+        Caches {
+            service_accounts: self.service_accounts.store.clone(),
+            roles: self.roles.store.clone(),
+            role_bindings: self.role_bindings.store.clone(),
+            config_maps: self.config_maps.store.clone(),
+            epp_reports: self.epp_reports.store.clone(),
+            network_policies: self.network_policies.store.clone(),
+            services: self.services.store.clone(),
+            deployments: self.deployments.store.clone(),
+            pods: self.pods.store.clone(),
+            inference_pools: self.inference_pools.store.clone(),
+            http_routes: self.http_routes.store.clone(),
+            backend_tls_policies: self.backend_tls_policies.store.clone(),
+            gateways: self.gateways.store.clone(),
+            scope: ns.map(str::to_string),
+        }
+    }
+
+    /// Hands every trigger stream to the controller.
+    fn attach(
+        &mut self,
+        c: Controller<InferencePolicy>,
+        policies: Store<InferencePolicy>,
+    ) -> Controller<InferencePolicy> {
+        let c = c.owns_stream(take(&mut self.service_accounts));
+        let c = c.owns_stream(take(&mut self.roles));
+        let c = c.owns_stream(take(&mut self.role_bindings));
+        let c = c.owns_stream(take(&mut self.config_maps));
+        // A Pod reporting a loaded hash or a provider key.
+        let c = c.owns_stream(take(&mut self.epp_reports));
+        let c = c.owns_stream(take(&mut self.network_policies));
+        let c = c.owns_stream(take(&mut self.services));
+        // Rollout progress: waiting for the EPP needs no polling.
+        let c = c.owns_stream(take(&mut self.deployments));
+        let c = c.owns_stream(take(&mut self.inference_pools));
+        let c = c.owns_stream(take(&mut self.http_routes));
+        let c = c.owns_stream(take(&mut self.backend_tls_policies));
+        // EPP Pods: one coming or going changes which reports count (and a
+        // gone Pod's report is pruned).
+        let c = c.watches_stream(take(&mut self.pods), |pod| {
+            let policy = pod.labels().get(POLICY_LABEL)?.clone();
+            let ns = pod.namespace()?;
+            Some(ObjectRef::<InferencePolicy>::new(&policy).within(&ns))
+        });
+        // A parent Gateway created or deleted: the policies that name it.
+        c.watches_stream(take(&mut self.gateways), move |gateway| {
+            policies_naming(&policies, &gateway)
+        })
+    }
+}
+
+fn take<K: Resource<DynamicType = ()> + Clone + Send + 'static>(w: &mut Watched<K>) -> Triggers<K> {
+    w.triggers
+        .take()
+        .unwrap_or_else(|| futures::stream::empty().boxed())
+}
+
+/// A labelled watch of whole `K` objects in scope, feeding a store and a
+/// trigger stream.
+fn watched<K>(client: &Client, ns: Option<&str>, wc: &watcher::Config) -> Watched<K>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Clone
         + DeserializeOwned
         + std::fmt::Debug
         + Send
+        + Sync
         + 'static,
 {
-    // Metadata only: owner references are all a trigger needs.
+    let (store, writer) = reflector::store();
+    let stream = watcher(scoped::<K>(client, ns), wc.clone())
+        .backoff(watch_backoff())
+        .modify(strip_managed_fields)
+        .reflect(writer)
+        .touched_objects();
+    Watched {
+        store,
+        triggers: Some(log_outages(K::kind(&()).into_owned(), stream).boxed()),
+    }
+}
+
+/// Like [`watched`], metadata only (an `Api<PartialObjectMeta<K>>` asks
+/// for no more): owner references, names and versions are all a reconcile
+/// reads.
+fn watched_meta<K>(
+    client: &Client,
+    ns: Option<&str>,
+    wc: &watcher::Config,
+) -> Watched<PartialObjectMeta<K>>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
     let stream = watcher(scoped::<PartialObjectMeta<K>>(client, ns), wc.clone())
         .backoff(watch_backoff())
+        .modify(strip_managed_fields)
+        .reflect(writer)
         .touched_objects();
-    controller.owns_stream(log_outages(K::kind(&()).into_owned(), stream))
+    Watched {
+        store,
+        triggers: Some(log_outages(K::kind(&()).into_owned(), stream).boxed()),
+    }
+}
+
+/// Every Gateway's metadata in scope. Only a Gateway appearing or going away
+/// triggers anything: a Gateway's status changes often and means nothing to
+/// a policy.
+fn watch_gateways(client: &Client, ns: Option<&str>) -> Watched<PartialObjectMeta<Gateway>> {
+    let (store, writer) = reflector::store();
+    let reader = store.clone();
+    let mut known = HashSet::new();
+    let stream = watcher(
+        scoped::<PartialObjectMeta<Gateway>>(client, ns),
+        watcher::Config::default(),
+    )
+    .backoff(watch_backoff())
+    .modify(strip_managed_fields)
+    .reflect(writer)
+    .flat_map(move |event| {
+        let changed: Vec<Result<_, watcher::Error>> = match event {
+            Ok(watcher::Event::Apply(g) | watcher::Event::InitApply(g)) => {
+                let new = known.insert(ObjectRef::from_obj(&g));
+                new.then_some(Ok(g)).into_iter().collect()
+            }
+            Ok(watcher::Event::Delete(g)) => {
+                let was = known.remove(&ObjectRef::from_obj(&g));
+                was.then_some(Ok(g)).into_iter().collect()
+            }
+            // After a relist: those deleted while the watch was down.
+            Ok(watcher::Event::InitDone) => {
+                let gone: Vec<_> = known
+                    .iter()
+                    .filter(|r| reader.get(r).is_none())
+                    .cloned()
+                    .collect();
+                gone.into_iter()
+                    .map(|r| {
+                        known.remove(&r);
+                        Ok(gateway_named(&r))
+                    })
+                    .collect()
+            }
+            Ok(watcher::Event::Init) => Vec::new(),
+            Err(e) => vec![Err(e)],
+        };
+        futures::stream::iter(changed)
+    });
+    Watched {
+        store,
+        triggers: Some(log_outages("Gateway", stream).boxed()),
+    }
+}
+
+fn gateway_named(r: &ObjectRef<PartialObjectMeta<Gateway>>) -> PartialObjectMeta<Gateway> {
+    let mut meta = PartialObjectMeta::<Gateway>::default();
+    meta.metadata.name = Some(r.name.clone());
+    meta.metadata.namespace = r.namespace.clone();
+    meta
+}
+
+fn policies_naming(
+    policies: &Store<InferencePolicy>,
+    gateway: &PartialObjectMeta<Gateway>,
+) -> Vec<ObjectRef<InferencePolicy>> {
+    let (Some(gw_ns), gw_name) = (gateway.namespace(), gateway.name_any()) else {
+        return Vec::new();
+    };
+    policies
+        .state()
+        .iter()
+        .filter(|p| {
+            let ns = p.namespace().unwrap_or_default();
+            p.spec
+                .policy
+                .route
+                .iter()
+                .flat_map(|r| &r.parent_refs)
+                .any(|parent| {
+                    parent.name == gw_name && parent.namespace.as_deref().unwrap_or(&ns) == gw_ns
+                })
+        })
+        .map(|p| ObjectRef::from_obj(p.as_ref()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -3,10 +3,10 @@
 //!
 //! Every apply uses one field manager with `force`, so the operator owns
 //! exactly the fields it sets and takes them back from anyone who edited
-//! them. An apply whose content is what the object already holds is a no-op
-//! in the API server: nothing is written and `resourceVersion` does not move
-//! (the e2e test `operator.rs` checks this), which is what lets every
-//! reconcile apply everything without a diff of its own.
+//! them. An object is applied only when its desired state changed or
+//! someone wrote it since this process last applied it (see
+//! [`Memory::unchanged`]): a reconcile that finds nothing to do sends
+//! nothing.
 
 use std::collections::BTreeSet;
 
@@ -18,14 +18,65 @@ use kube::core::NamespaceResourceScope;
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 
+use super::memory::{Memory, digest};
+use crate::cache::MetaStore;
 use crate::error::{Error, Verb, api_code};
 use crate::resources::FIELD_MANAGER;
 
-/// Applies `obj` (which carries its own name and namespace). Returns false
-/// when `optional` and the API server does not serve the kind (404 for the
-/// resource type), so an optional kind (BackendTLSPolicy) missing from a
-/// cluster does not stop the rest.
-pub async fn apply<K>(client: &Client, obj: &K, optional: bool) -> Result<bool, Error>
+/// Applies the objects of one policy.
+pub struct Applier<'a> {
+    pub client: &'a Client,
+    pub memory: &'a Memory,
+    /// The policy's uid.
+    pub uid: &'a str,
+}
+
+impl Applier<'_> {
+    /// Applies `obj` (which carries its own name and namespace) unless it is
+    /// unchanged since this process last applied it. `cached` is the watch's
+    /// store of its kind. When `optional`, a kind the API server does not
+    /// serve (404 for the resource type) is skipped, so a missing optional
+    /// kind (BackendTLSPolicy) does not stop the rest.
+    pub async fn apply<K>(
+        &self,
+        cached: &dyn MetaStore,
+        obj: &K,
+        optional: bool,
+    ) -> Result<(), Error>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize + std::fmt::Debug,
+    {
+        let name = obj.meta().name.clone().unwrap_or_default();
+        let ns = obj.meta().namespace.clone().unwrap_or_default();
+        let key = format!("{}/{name}", K::kind(&()));
+        let digest = digest(obj);
+        if self
+            .memory
+            .unchanged(self.uid, &key, digest, cached.get(&ns, &name).as_ref())
+        {
+            return Ok(());
+        }
+        match apply(self.client, obj, optional).await {
+            Ok(Some(answer)) => {
+                self.memory.applied(self.uid, &key, digest, &answer);
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(e) => {
+                self.memory.forget_object(self.uid, &key);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Applies `obj` and returns the metadata the API server answered with;
+/// None when `optional` and the kind is not served.
+pub async fn apply<K>(
+    client: &Client,
+    obj: &K,
+    optional: bool,
+) -> Result<Option<kube::api::ObjectMeta>, Error>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize + std::fmt::Debug,
 {
@@ -37,10 +88,10 @@ where
         Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
     let params = PatchParams::apply(FIELD_MANAGER).force();
     match api.patch(&name, &params, &Patch::Apply(obj)).await {
-        Ok(_) => Ok(true),
+        Ok(answer) => Ok(Some(answer.metadata)),
         Err(e) if optional && is_missing_kind(&e) => {
             tracing::warn!(kind = %K::kind(&()), %ns, %name, "kind not served by the API server; skipped");
-            Ok(false)
+            Ok(None)
         }
         Err(e) => Err(Error::kube(
             Verb::Apply,
@@ -89,47 +140,49 @@ where
 }
 
 /// Deletes objects of kind `K` in `ns` labelled for `policy` and controlled
-/// by the policy's `uid` whose names are not in `keep`. Objects someone else
-/// labelled but the policy does not control are left alone. Returns the
-/// deleted names.
+/// by the policy's `uid` whose names are not in `keep`, as the watch's store
+/// `cached` shows them. Objects someone else labelled but the policy does not
+/// control are left alone. Returns the deleted names.
 pub async fn prune<K>(
-    client: &Client,
+    applier: &Applier<'_>,
+    cached: &dyn MetaStore,
     ns: &str,
     policy: &str,
-    uid: &str,
     keep: &BTreeSet<String>,
-    optional: bool,
 ) -> Result<Vec<String>, Error>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
 {
     let api: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), ns, &ApiResource::erase::<K>(&()));
-    let params = ListParams::default().labels(&format!("{POLICY_LABEL}={policy}"));
-    let list = match api.list_metadata(&params).await {
-        Ok(list) => list,
-        Err(e) if optional && is_missing_kind(&e) => return Ok(Vec::new()),
-        Err(e) => return Err(Error::kube(Verb::List, kind_name::<K>(), ns.to_string(), e)),
-    };
+        Api::namespaced_with(applier.client.clone(), ns, &ApiResource::erase::<K>(&()));
     let mut deleted = Vec::new();
-    for obj in list.items {
-        let name = obj.name_any();
+    for obj in cached.in_namespace(ns) {
+        let name = obj.name.clone().unwrap_or_default();
+        let labelled = obj
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(POLICY_LABEL))
+            .is_some_and(|p| p == policy);
         let controlled = obj
-            .owner_references()
+            .owner_references
             .iter()
-            .any(|o| o.controller == Some(true) && o.uid == uid);
-        if !controlled || keep.contains(&name) || obj.metadata.deletion_timestamp.is_some() {
+            .flatten()
+            .any(|o| o.controller == Some(true) && o.uid == applier.uid);
+        if !labelled || !controlled || keep.contains(&name) || obj.deletion_timestamp.is_some() {
             continue;
         }
-        // The uid precondition makes sure we delete the object we listed, not
+        // The uid precondition makes sure we delete the object we saw, not
         // a namesake created meanwhile.
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
-                uid: obj.uid(),
+                uid: obj.uid.clone(),
                 resource_version: None,
             }),
             ..DeleteParams::background()
         };
+        applier
+            .memory
+            .forget_object(applier.uid, &format!("{}/{name}", K::kind(&())));
         match api.delete(&name, &dp).await {
             Ok(_) => {
                 tracing::info!(kind = %K::kind(&()), %ns, %name, "deleted object no longer wanted");

@@ -3,6 +3,7 @@
 //! status if it changed, and publish Events for state changes.
 
 mod apply;
+mod memory;
 mod observe;
 
 use std::collections::BTreeSet;
@@ -14,34 +15,33 @@ use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
-use kinference_api::{
-    CONDITION_READY, CONDITION_RESOLVED_REFS, InferencePolicy, InferencePolicyStatus,
-};
+use kinference_api::{CONDITION_READY, InferencePolicy, InferencePolicyStatus};
 use kinference_policy::CompiledPolicy;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::cache::{Caches, MetaStore};
 use crate::error::{Error, Verb};
 use crate::metrics::Metrics;
 use crate::resources::{self, EppSettings, FIELD_MANAGER, Names};
 use crate::status::{self, Acceptance, Observation};
 
-pub use apply::{apply, foreign, prune};
+pub use apply::{Applier, apply, foreign, prune};
+pub use memory::Memory;
 
-/// Timing of periodic reconciles.
+/// Timing of periodic reconciles. Everything else is driven by the watches.
 #[derive(Clone, Debug)]
 pub struct Requeue {
-    /// When everything is Ready: a fallback for missed watch events and for
-    /// drift in objects the operator does not watch (Gateways).
+    /// A fallback for missed watch events. Cheap: a reconcile that finds
+    /// nothing changed sends no request.
     pub resync: Duration,
-    /// While an accepted policy is not Ready or has unresolved references:
-    /// Gateways are not watched, so this is how their creation is noticed.
-    /// (Provider keys need no polling: the EPP Pods report them in the
-    /// watched EPP status ConfigMap.)
+    /// While a parent Gateway outside the watched namespace is missing (a
+    /// namespace-scoped operator cannot watch it): how often to look again.
     pub pending: Duration,
-    /// After a failed reconcile.
+    /// After a failed reconcile; doubled for every failure in a row, up to
+    /// `resync`.
     pub error: Duration,
 }
 
@@ -49,7 +49,7 @@ impl Default for Requeue {
     fn default() -> Self {
         Self {
             resync: Duration::from_secs(300),
-            pending: Duration::from_secs(10),
+            pending: Duration::from_secs(30),
             error: Duration::from_secs(5),
         }
     }
@@ -62,6 +62,8 @@ pub struct Context {
     pub requeue: Requeue,
     pub metrics: Metrics,
     pub recorder: Recorder,
+    pub caches: Caches,
+    pub memory: Memory,
 }
 
 /// The controller's reconcile function.
@@ -72,16 +74,28 @@ pub async fn reconcile(policy: Arc<InferencePolicy>, ctx: Arc<Context>) -> Resul
         started.elapsed(),
         result.as_ref().err().map(Error::metric_label),
     );
+    if result.is_ok()
+        && let Some(uid) = policy.uid()
+    {
+        ctx.memory.succeeded(&uid);
+    }
     result
 }
 
-/// The controller's error policy: log, tell the user through an Event, retry.
+/// The controller's error policy: log, tell the user through an Event, retry
+/// with a backoff that grows with every failure in a row.
 pub fn error_policy(policy: Arc<InferencePolicy>, error: &Error, ctx: Arc<Context>) -> Action {
+    let retry = ctx.memory.failed(
+        &policy.uid().unwrap_or_default(),
+        ctx.requeue.error,
+        ctx.requeue.resync,
+    );
     tracing::warn!(
         policy = %policy.name_any(),
         namespace = policy.namespace().unwrap_or_default(),
         %error,
-        "reconcile failed; retrying"
+        retry_in = ?retry,
+        "reconcile failed"
     );
     let note = error.to_string();
     let reference = policy.object_ref(&());
@@ -99,34 +113,28 @@ pub fn error_policy(policy: Arc<InferencePolicy>, error: &Error, ctx: Arc<Contex
             tracing::debug!(error = %e, "could not publish event");
         }
     });
-    Action::requeue(ctx.requeue.error)
+    Action::requeue(retry)
 }
 
-async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Action, Error> {
-    let name = cached.name_any();
-    let ns = cached
+async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Action, Error> {
+    let name = policy.name_any();
+    let ns = policy
         .namespace()
         .ok_or_else(|| Error::Incomplete(name.clone()))?;
-    let api: Api<InferencePolicy> = Api::namespaced(ctx.client.clone(), &ns);
-    // Read it fresh: the cache may not have seen our last status write yet,
-    // and comparing against a stale status would write (and announce) the
-    // same change twice.
-    let Some(policy) = api
-        .get_opt(&name)
-        .await
-        .map_err(|e| Error::kube(Verb::Get, "InferencePolicy", format!("{ns}/{name}"), e))?
-    else {
-        return Ok(Action::await_change());
-    };
-    if policy.metadata.deletion_timestamp.is_some() {
-        // Owned objects go with it (ownerReferences); nothing to finalize.
-        return Ok(Action::await_change());
-    }
     let uid = policy
         .uid()
         .ok_or_else(|| Error::Incomplete(name.clone()))?;
-    let names = Names::of(&policy);
+    if policy.metadata.deletion_timestamp.is_some() {
+        // Owned objects go with it (ownerReferences); nothing to finalize.
+        ctx.memory.forget(&uid);
+        return Ok(Action::await_change());
+    }
+    let names = Names::of(policy);
     let spec = &policy.spec.policy;
+    // The status this process last wrote is newer than the cached one until
+    // the watch delivers it; comparing against the cached one would write
+    // (and announce) the same change twice.
+    let prev = ctx.memory.status(&uid).or_else(|| policy.status.clone());
 
     let compiled = compile(&name, spec);
     // A failed apply still gets a status (Ready=False, ApplyFailed, naming
@@ -135,7 +143,7 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
     let mut applied = Ok(());
     let acceptance = match &compiled {
         Ok(c) => {
-            applied = apply_all(ctx, &policy, &ns, &uid, c).await;
+            applied = apply_all(ctx, policy, prev.as_ref(), &ns, &uid, c).await;
             Acceptance::Accepted {
                 hash: c.hash.clone(),
                 rules: c.rules.len(),
@@ -150,12 +158,16 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
         },
     };
 
-    let epp = observe::epp(&ctx.client, &ns, &names).await?;
-    let refs = observe::refs(&ctx.client, &ns, spec, &epp.secret_keys).await?;
+    let epp = observe::epp(&ctx.client, &ctx.caches, &ns, &names).await?;
+    let refs = observe::refs(&ctx.client, &ctx.caches, &ns, spec, &epp.secret_keys).await?;
     let configured_hash = match acceptance {
         Acceptance::Rejected { .. } => observe::configured_hash(&ctx.client, &ns, &names).await?,
         Acceptance::Accepted { .. } => None,
     };
+    let waits_outside_scope = refs
+        .missing_gateways
+        .iter()
+        .any(|g| !ctx.caches.covers(g.split('/').next().unwrap_or_default()));
     let observation = Observation {
         generation: policy.metadata.generation,
         acceptance,
@@ -170,21 +182,19 @@ async fn reconcile_inner(cached: &InferencePolicy, ctx: &Context) -> Result<Acti
             (reason, e.to_string())
         }),
     };
-    let prev = policy.status.as_ref();
-    let next = status::compute(prev, &observation, Timestamp::now());
-    if prev != Some(&next) {
+    let next = status::compute(prev.as_ref(), &observation, Timestamp::now());
+    if prev.as_ref() != Some(&next) {
+        let api: Api<InferencePolicy> = Api::namespaced(ctx.client.clone(), &ns);
         write_status(&api, &name, &ns, &next).await?;
-        publish_events(ctx, &policy, prev, &next).await;
+        ctx.memory.wrote_status(&uid, &next);
+        publish_events(ctx, policy, prev.as_ref(), &next).await;
     }
 
     applied?;
-    let settled = status::is_true(Some(&next), CONDITION_READY)
-        && status::is_true(Some(&next), CONDITION_RESOLVED_REFS);
-    let rejected = matches!(observation.acceptance, Acceptance::Rejected { .. });
-    Ok(Action::requeue(if settled || rejected {
-        ctx.requeue.resync
-    } else {
+    Ok(Action::requeue(if waits_outside_scope {
         ctx.requeue.pending
+    } else {
+        ctx.requeue.resync
     }))
 }
 
@@ -210,8 +220,8 @@ fn compile(
 /// Whether the policy's objects may never have been applied: no Ready
 /// condition yet, or one that says nothing was (a conflict, or a policy that
 /// was invalid from the start). Ready's other reasons all follow an apply.
-fn never_applied(policy: &InferencePolicy) -> bool {
-    let ready = policy.status.as_ref().and_then(|s| {
+fn never_applied(status: Option<&InferencePolicyStatus>) -> bool {
+    let ready = status.and_then(|s| {
         s.conditions
             .iter()
             .find(|c| c.type_ == CONDITION_READY)
@@ -226,97 +236,129 @@ fn never_applied(policy: &InferencePolicy) -> bool {
 /// The first generated object whose name is taken by an object this
 /// policy does not control.
 async fn first_foreign(
-    client: &Client,
+    ctx: &Context,
     desired: &resources::Desired,
     uid: &str,
 ) -> Result<Option<String>, Error> {
-    let d = desired;
+    let (d, c) = (desired, &ctx.caches);
     let checks = [
-        foreign(client, &d.service_account, uid).await?,
-        foreign(client, &d.role, uid).await?,
-        foreign(client, &d.role_binding, uid).await?,
-        foreign(client, &d.config_map, uid).await?,
-        foreign(client, &d.epp_status_config_map, uid).await?,
-        foreign(client, &d.epp_service, uid).await?,
-        foreign(client, &d.deployment, uid).await?,
-        foreign(client, &d.inference_pool, uid).await?,
+        unowned(ctx, &c.service_accounts, &d.service_account, uid).await?,
+        unowned(ctx, &c.roles, &d.role, uid).await?,
+        unowned(ctx, &c.role_bindings, &d.role_binding, uid).await?,
+        unowned(ctx, &c.config_maps, &d.config_map, uid).await?,
+        unowned(ctx, &c.epp_reports, &d.epp_status_config_map, uid).await?,
+        unowned(ctx, &c.services, &d.epp_service, uid).await?,
+        unowned(ctx, &c.deployments, &d.deployment, uid).await?,
+        unowned(ctx, &c.inference_pools, &d.inference_pool, uid).await?,
     ];
     if let Some(found) = checks.into_iter().flatten().next() {
         return Ok(Some(found));
     }
     for service in &d.provider_services {
-        if let Some(found) = foreign(client, service, uid).await? {
+        if let Some(found) = unowned(ctx, &c.services, service, uid).await? {
             return Ok(Some(found));
         }
     }
     if let Some(route) = &d.http_route {
-        return foreign(client, route, uid).await;
+        return unowned(ctx, &c.http_routes, route, uid).await;
     }
     Ok(None)
+}
+
+/// [`foreign`], without asking when the cache already shows the object
+/// under this policy's control.
+async fn unowned<K>(
+    ctx: &Context,
+    cached: &dyn MetaStore,
+    obj: &K,
+    uid: &str,
+) -> Result<Option<String>, Error>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>,
+{
+    let ns = obj.meta().namespace.as_deref().unwrap_or_default();
+    let name = obj.meta().name.as_deref().unwrap_or_default();
+    let ours = cached.get(ns, name).is_some_and(|m| {
+        m.owner_references
+            .iter()
+            .flatten()
+            .any(|r| r.controller == Some(true) && r.uid == uid)
+    });
+    if ours {
+        return Ok(None);
+    }
+    foreign(&ctx.client, obj, uid).await
 }
 
 async fn apply_all(
     ctx: &Context,
     policy: &InferencePolicy,
+    prev: Option<&InferencePolicyStatus>,
     ns: &str,
     uid: &str,
     compiled: &CompiledPolicy,
 ) -> Result<(), Error> {
-    let client = &ctx.client;
     let desired = resources::desired(policy, compiled, &ctx.epp);
     // Before anything is applied: an oversized policy changes nothing.
     resources::check_config_map_size(&desired.config_map)?;
     // Until the policy's objects have been applied once, none of the
     // generated names should exist; one that does is someone else's.
-    // Checked until then (a few metadata GETs), not on every reconcile.
-    if never_applied(policy)
-        && let Some(object) = first_foreign(client, &desired, uid).await?
+    // Checked until then, not on every reconcile.
+    if never_applied(prev)
+        && let Some(object) = first_foreign(ctx, &desired, uid).await?
     {
         return Err(Error::Conflict(object));
     }
+    let (d, c) = (&desired, &ctx.caches);
+    let a = Applier {
+        client: &ctx.client,
+        memory: &ctx.memory,
+        uid,
+    };
     // Identity and permissions before the Deployment that uses them; the
     // ConfigMap before the EPP that reads it; backends before the route.
-    apply(client, &desired.service_account, false).await?;
-    apply(client, &desired.role, false).await?;
-    apply(client, &desired.role_binding, false).await?;
-    apply(client, &desired.config_map, false).await?;
-    apply(client, &desired.epp_status_config_map, false).await?;
+    a.apply(&c.service_accounts, &d.service_account, false)
+        .await?;
+    a.apply(&c.roles, &d.role, false).await?;
+    a.apply(&c.role_bindings, &d.role_binding, false).await?;
+    a.apply(&c.config_maps, &d.config_map, false).await?;
+    a.apply(&c.epp_reports, &d.epp_status_config_map, false)
+        .await?;
     // The NetworkPolicy before the Pods it protects exist.
-    if let Some(np) = &desired.network_policy {
-        apply(client, np, false).await?;
+    if let Some(np) = &d.network_policy {
+        a.apply(&c.network_policies, np, false).await?;
     }
-    apply(client, &desired.epp_service, false).await?;
-    apply(client, &desired.deployment, false).await?;
-    for service in &desired.provider_services {
-        apply(client, service, false).await?;
+    a.apply(&c.services, &d.epp_service, false).await?;
+    a.apply(&c.deployments, &d.deployment, false).await?;
+    for service in &d.provider_services {
+        a.apply(&c.services, service, false).await?;
     }
-    for tls in &desired.backend_tls_policies {
-        apply(client, tls, true).await?;
+    for tls in &d.backend_tls_policies {
+        a.apply(&c.backend_tls_policies, tls, true).await?;
     }
-    apply(client, &desired.inference_pool, false).await?;
-    if let Some(route) = &desired.http_route {
-        apply(client, route, false).await?;
+    a.apply(&c.inference_pools, &d.inference_pool, false)
+        .await?;
+    if let Some(route) = &d.http_route {
+        a.apply(&c.http_routes, route, false).await?;
     }
 
     // Route first, so it never points at a Service already deleted.
     let name = policy.name_any();
-    let route_keep: BTreeSet<String> = desired.http_route.iter().map(|r| r.name_any()).collect();
-    prune::<HttpRoute>(client, ns, &name, uid, &route_keep, false).await?;
-    let tls_keep: BTreeSet<String> = desired
-        .backend_tls_policies
-        .iter()
-        .map(|t| t.name_any())
-        .collect();
-    prune::<BackendTlsPolicy>(client, ns, &name, uid, &tls_keep, true).await?;
-    let service_keep: BTreeSet<String> = desired.service_names().into_iter().collect();
-    prune::<Service>(client, ns, &name, uid, &service_keep, false).await?;
+    let keep = |names: Vec<String>| names.into_iter().collect::<BTreeSet<String>>();
+    let routes = keep(d.http_route.iter().map(|r| r.name_any()).collect());
+    prune::<HttpRoute>(&a, &c.http_routes, ns, &name, &routes).await?;
+    let tls = keep(
+        d.backend_tls_policies
+            .iter()
+            .map(|t| t.name_any())
+            .collect(),
+    );
+    prune::<BackendTlsPolicy>(&a, &c.backend_tls_policies, ns, &name, &tls).await?;
+    let services = keep(d.service_names());
+    prune::<Service>(&a, &c.services, ns, &name, &services).await?;
     // Disabled, or no gateway known any more.
-    let np_keep: BTreeSet<String> = desired
-        .network_policy
-        .iter()
-        .map(|n| n.name_any())
-        .collect();
-    prune::<NetworkPolicy>(client, ns, &name, uid, &np_keep, false).await?;
+    let nps = keep(d.network_policy.iter().map(|n| n.name_any()).collect());
+    prune::<NetworkPolicy>(&a, &c.network_policies, ns, &name, &nps).await?;
     Ok(())
 }
 

@@ -1,19 +1,19 @@
 //! Reads the state the status reports on: parent Gateways, the EPP
-//! Deployment, what its Pods report in the EPP status ConfigMap, and the
-//! policy ConfigMap's hash. The operator reads no Secret: whether the
+//! Deployment, what its Pods report in the EPP status ConfigMap (all from the
+//! watches' caches), and the policy ConfigMap's hash. The operator reads no Secret: whether the
 //! provider keys exist is what the EPP Pods, which have them mounted, report.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use gateway_api::apis::standard::gateways::Gateway;
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kinference_api::{EppPodStatus, POLICY_HASH_KEY};
 use kinference_policy::PolicySpec;
 use kinference_policy::spec::DEFAULT_SECRET_KEY;
-use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::{Client, ResourceExt};
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
 
+use crate::cache::Caches;
 use crate::error::{Error, Verb, api_code};
 use crate::resources::{FIELD_MANAGER, Names};
 use crate::status::{EppReport, RefReport};
@@ -24,6 +24,7 @@ use crate::status::{EppReport, RefReport};
 /// even while the policy is invalid.
 pub async fn refs(
     client: &Client,
+    caches: &Caches,
     ns: &str,
     spec: &PolicySpec,
     secret_keys: &BTreeMap<(String, String), bool>,
@@ -60,6 +61,13 @@ pub async fn refs(
         if !seen.insert((gw_ns, parent.name.as_str())) {
             continue;
         }
+        if caches.covers(gw_ns) {
+            if !caches.gateway_exists(gw_ns, &parent.name) {
+                missing_gateways.push(format!("{gw_ns}/{}", parent.name));
+            }
+            continue;
+        }
+        // Outside the watched namespace (a namespace-scoped operator): ask.
         // Metadata only: existence is all ResolvedRefs needs. A cluster
         // without the Gateway CRD answers 404 like a missing Gateway.
         let gateways: Api<Gateway> = Api::namespaced(client.clone(), gw_ns);
@@ -91,20 +99,21 @@ pub async fn refs(
 }
 
 /// Availability of the EPP Deployment and what its live Pods report (the
-/// policy hash each has loaded, the provider keys each found). Keys of Pods
-/// that no longer exist are deleted from the status ConfigMap.
-pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, Error> {
+/// policy hash each has loaded, the provider keys each found), as the
+/// watches show them. Keys of Pods that no longer exist are deleted from the
+/// status ConfigMap.
+pub async fn epp(
+    client: &Client,
+    caches: &Caches,
+    ns: &str,
+    names: &Names,
+) -> Result<EppReport, Error> {
     let name = names.epp();
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    let deployment = deployments
-        .get_opt(&name)
-        .await
-        .map_err(|e| Error::kube(Verb::Get, "Deployment", format!("{ns}/{name}"), e))?;
     let mut report = EppReport {
         deployment: name.clone(),
         ..EppReport::default()
     };
-    let Some(deployment) = deployment else {
+    let Some(deployment) = caches.deployment(ns, &name) else {
         return Ok(report);
     };
     report.available_replicas = deployment
@@ -123,41 +132,24 @@ pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, 
         return Ok(report);
     };
 
-    // The reports before the Pods: a key was written by a Pod that existed
-    // then, so a Pod the later list does not show is gone for good. (In the
-    // other order, a Pod created between the two reads would lose its key.)
     let status_name = names.epp_status();
-    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    let reported: BTreeMap<String, String> = configmaps
-        .get_opt(&status_name)
-        .await
-        .map_err(|e| Error::kube(Verb::Get, "ConfigMap", format!("{ns}/{status_name}"), e))?
-        .and_then(|cm| cm.data)
+    let reported: BTreeMap<String, String> = caches
+        .epp_report(ns, &status_name)
+        .and_then(|cm| cm.data.clone())
         .unwrap_or_default();
-
-    let label_selector = selector
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let list = pods
-        .list_metadata(&ListParams::default().labels(&label_selector))
-        .await
-        .map_err(|e| Error::kube(Verb::List, "Pod", format!("{ns} ({label_selector})"), e))?;
-    let existing: BTreeSet<String> = list.items.iter().map(|p| p.name_any()).collect();
+    let pods = caches.pods_matching(ns, selector);
+    let existing: BTreeSet<String> = pods.iter().filter_map(|p| p.name.clone()).collect();
     // A terminating Pod may still write its key: ignored, but not pruned.
-    let live: BTreeSet<String> = list
-        .items
+    let live: BTreeSet<String> = pods
         .iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .map(|p| p.name_any())
+        .filter(|p| p.deletion_timestamp.is_none())
+        .filter_map(|p| p.name.clone())
         .collect();
 
-    let mut stale = Vec::new();
+    let mut unseen = Vec::new();
     for (pod, text) in &reported {
         if !existing.contains(pod) {
-            stale.push(pod.clone());
+            unseen.push(pod.clone());
             continue;
         }
         if !live.contains(pod) {
@@ -178,10 +170,33 @@ pub async fn epp(client: &Client, ns: &str, names: &Names) -> Result<EppReport, 
             *report.secret_keys.entry((k.secret, k.key)).or_insert(false) |= k.found;
         }
     }
-    if !stale.is_empty() {
-        prune_reports(&configmaps, ns, &status_name, &stale).await?;
+    if !unseen.is_empty() {
+        let gone = gone_pods(client, ns, unseen).await?;
+        if !gone.is_empty() {
+            let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+            prune_reports(&configmaps, ns, &status_name, &gone).await?;
+        }
     }
     Ok(report)
+}
+
+/// Of Pods that wrote a report but are not in the Pod cache, those that do
+/// not exist. The cache may simply not have seen a new Pod yet (its report
+/// can arrive first), so absence is confirmed with the API server; this
+/// happens only when a Pod went away.
+async fn gone_pods(client: &Client, ns: &str, unseen: Vec<String>) -> Result<Vec<String>, Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let mut gone = Vec::new();
+    for pod in unseen {
+        let found = pods
+            .get_metadata_opt(&pod)
+            .await
+            .map_err(|e| Error::kube(Verb::Get, "Pod", format!("{ns}/{pod}"), e))?;
+        if found.is_none() {
+            gone.push(pod);
+        }
+    }
+    Ok(gone)
 }
 
 /// Deletes the keys of Pods that are gone, with a merge patch: only those

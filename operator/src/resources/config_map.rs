@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kinference_api::{InferencePolicy, POLICY_HASH_KEY, POLICY_KEY};
 use kinference_policy::CompiledPolicy;
 
-use super::{Names, object_meta};
+use super::{COMPONENT_LABEL, EPP_STATUS_COMPONENT, Names, object_meta};
 use crate::error::TooLarge;
 
 /// What the API server accepts in one ConfigMap: the keys and values of
@@ -60,8 +60,8 @@ pub fn epp_status_config_map(policy: &InferencePolicy, names: &Names) -> ConfigM
             policy,
             &names.epp_status(),
             [(
-                "app.kubernetes.io/component".to_string(),
-                "endpoint-picker-status".to_string(),
+                COMPONENT_LABEL.to_string(),
+                EPP_STATUS_COMPONENT.to_string(),
             )],
         ),
         ..ConfigMap::default()

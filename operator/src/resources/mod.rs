@@ -49,6 +49,11 @@ pub use service_account::service_account;
 pub const FIELD_MANAGER: &str = "kinference-operator";
 /// Label naming the provider an ExternalName Service stands for.
 pub const PROVIDER_LABEL: &str = "kinference.io/provider";
+/// Says which part of the product an object is (Kubernetes' recommended label).
+pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+/// The component of the EPP status ConfigMap, which the operator watches
+/// whole (the policy ConfigMaps only by metadata).
+pub const EPP_STATUS_COMPONENT: &str = "endpoint-picker-status";
 const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 const PART_OF: &str = "app.kubernetes.io/part-of";
 
