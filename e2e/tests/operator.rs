@@ -1459,3 +1459,91 @@ async fn racing_candidates_never_both_win_a_round() -> Result<()> {
     }
     Ok(())
 }
+
+/// Creates an InferencePolicy from JSON text, bypassing typed encoding:
+/// what a user's `kubectl apply` of a hostile or huge manifest sends.
+async fn create_raw_policy(client: &Client, body: String) -> Result<()> {
+    let request = http::Request::post(format!(
+        "/apis/kinference.io/v1alpha1/namespaces/{NS}/inferencepolicies"
+    ))
+    .header("content-type", "application/json")
+    .body(body.into_bytes())?;
+    client
+        .request_text(request)
+        .await
+        .context("creating a policy from raw JSON")?;
+    Ok(())
+}
+
+fn raw_policy(name: &str, rule_matches: &str) -> String {
+    format!(
+        r#"{{"apiVersion":"kinference.io/v1alpha1","kind":"InferencePolicy",
+        "metadata":{{"name":"{name}"}},
+        "spec":{{"pool":{{"selector":{{"app":"vllm"}},"targetPorts":[{{"number":8000}}]}},
+        "rules":[{{"name":"first","matches":{rule_matches},"route":{{"select":[{{"minimize":"QueueDepth"}}]}}}},
+                 {{"name":"rest","route":{{"select":[{{"minimize":"QueueDepth"}}]}}}}]}}}}"#
+    )
+}
+
+/// A `matches` nested 3,000 deep is stored by the API server (the schema
+/// leaves predicate values open) and used to fail the decoding of the whole
+/// policy list, and with it the operator's watch. A policy of 1.2 MB compiles
+/// to a ConfigMap over the 1 MiB limit. Both exist before the operator
+/// starts, so its first list holds them; each gets a status naming its
+/// problem, and the other policies are reconciled as usual.
+#[tokio::test]
+async fn a_deeply_nested_or_oversized_policy_gets_a_status_and_stops_nothing_else() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let deep = format!(
+        r#"[{{"model":{}1{}}}]"#,
+        r#"{"a":"#.repeat(3000),
+        "}".repeat(3000)
+    );
+    create_raw_policy(&client, raw_policy("deep", &deep)).await?;
+    let tenants: Vec<String> = (0..12_000)
+        .map(|i| format!("tenant-{i:06}-{}", "x".repeat(88)))
+        .collect();
+    let big = serde_json::to_string(&json!([{ "tenant": tenants }]))?;
+    create_raw_policy(&client, raw_policy("big", &big)).await?;
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("fine", valid_spec())?)
+        .await?;
+
+    let (operator, _metrics) = start_operator(&client);
+    let (_, accepted) = wait_condition(&policies, "deep", "Accepted", "False").await?;
+    assert_eq!(accepted.reason, "InvalidPolicy");
+    assert!(
+        accepted.message.contains(
+            "spec.rules[0].matches[0].model: nested deeper than 16 levels; predicates need at most 3"
+        ),
+        "{}",
+        accepted.message
+    );
+    let (_, ready) = wait_condition(&policies, "big", "Ready", "False").await?;
+    assert_eq!(ready.reason, "ApplyFailed", "{ready:?}");
+    assert!(
+        ready
+            .message
+            .contains("ConfigMap team-a/big-policy would hold")
+            && ready
+                .message
+                .contains("over the API server's limit of 1048576 bytes"),
+        "{}",
+        ready.message
+    );
+    assert!(
+        generated_versions(&client, "big").await?.is_empty(),
+        "an oversized policy changes nothing"
+    );
+    wait_condition(&policies, "fine", "Accepted", "True").await?;
+    // The watch is alive: a policy created now is reconciled too.
+    policies
+        .create(&PostParams::default(), &policy("later", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "later", "Accepted", "True").await?;
+    operator.stop().await?;
+    Ok(())
+}

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// Routes LLM inference requests to a pool of model servers and off-cluster
 /// providers by ordered rules.
-#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[kube(
     group = "kinference.io",
     version = "v1alpha1",
@@ -32,6 +32,33 @@ pub struct InferencePolicySpec {
     /// EPP's Deployment and NetworkPolicy, never its policy hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint_picker: Option<EndpointPickerSpec>,
+}
+
+/// By hand rather than derived: a derived `flatten` buffers the whole spec
+/// in serde's generic form first, recursing into every value, so a predicate
+/// nested past serde_json's limit (which the API server stores) would fail
+/// the spec, and with it a watch's whole list. Here each top-level field is
+/// taken as raw JSON (scanned without recursion) and the policy is decoded
+/// from the rest by serde_json itself, where free-form values bound their
+/// own depth (`kinference_policy::spec::FreeForm`).
+impl<'de> Deserialize<'de> for InferencePolicySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        use serde_json::value::RawValue;
+
+        let mut fields = std::collections::BTreeMap::<String, Box<RawValue>>::deserialize(d)?;
+        let endpoint_picker = fields
+            .remove("endpointPicker")
+            .map(|raw| serde_json::from_str(raw.get()))
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("endpointPicker: {e}")))?;
+        let rest = serde_json::to_string(&fields).map_err(D::Error::custom)?;
+        let policy = serde_json::from_str(&rest).map_err(D::Error::custom)?;
+        Ok(Self {
+            policy,
+            endpoint_picker,
+        })
+    }
 }
 
 impl InferencePolicySpec {
@@ -184,6 +211,48 @@ fn strip_closed_objects(value: &mut serde_json::Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn item(name: &str, model: &str) -> String {
+        format!(
+            r#"{{"apiVersion":"kinference.io/v1alpha1","kind":"InferencePolicy",
+            "metadata":{{"name":"{name}","namespace":"a"}},
+            "spec":{{"pool":{{"selector":{{"app":"x"}}}},
+                     "endpointPicker":{{"networkPolicy":{{"enabled":false}}}},
+                     "rules":[{{"name":"r","matches":[{{"model":{model}}}],"route":{{}}}}]}}}}"#
+        )
+    }
+
+    #[test]
+    fn a_list_decodes_whatever_one_policy_nests() {
+        let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
+        let list = format!(
+            r#"{{"apiVersion":"v1","kind":"List","metadata":{{}},"items":[{},{}]}}"#,
+            item("deep", &deep),
+            item("fine", r#""llama""#)
+        );
+        let list: kube::core::ObjectList<InferencePolicy> =
+            serde_json::from_str(&list).expect("one deep policy must not fail the list");
+        assert_eq!(list.items.len(), 2);
+        let deep = &list.items[0].spec;
+        assert!(
+            !deep.network_policy().enabled,
+            "fields beside the policy survive"
+        );
+        let matches = deep.policy.rules[0].matches.as_ref().unwrap();
+        assert!(matches[0]["model"].0.json().is_err());
+        let fine = &list.items[1].spec.policy.rules[0].matches.as_ref().unwrap()[0];
+        assert_eq!(fine["model"].0.json().unwrap(), "llama");
+    }
+
+    #[test]
+    fn spec_mistakes_still_fail_with_their_field() {
+        let bad = r#"{"pool":{"selector":{"app":"x"}},"endpointPicker":{"clientCA":7}}"#;
+        let err = serde_json::from_str::<InferencePolicySpec>(bad).unwrap_err();
+        assert!(err.to_string().starts_with("endpointPicker: "), "{err}");
+        let unknown = r#"{"pool":{"selector":{"app":"x"}},"rulez":[]}"#;
+        let err = serde_json::from_str::<InferencePolicySpec>(unknown).unwrap_err();
+        assert!(err.to_string().contains("rulez"), "{err}");
+    }
 
     #[test]
     fn crd_has_no_closed_objects_and_keeps_cel_rules() {

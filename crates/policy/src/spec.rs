@@ -295,7 +295,7 @@ pub type Predicates = BTreeMap<String, MatchValue>;
 /// JSON so the compiler can report every mistake with its path.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct MatchValue(pub serde_json::Value);
+pub struct MatchValue(pub FreeForm);
 
 impl JsonSchema for MatchValue {
     fn schema_name() -> std::borrow::Cow<'static, str> {
@@ -312,7 +312,7 @@ impl JsonSchema for MatchValue {
 /// One predicate map (a single AND-entry) or a list of them (ORed).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct PredicateList(pub serde_json::Value);
+pub struct PredicateList(pub FreeForm);
 
 impl JsonSchema for PredicateList {
     fn schema_name() -> std::borrow::Cow<'static, str> {
@@ -324,6 +324,91 @@ impl JsonSchema for PredicateList {
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
     }
+}
+
+/// The deepest nesting a free-form value may have. The language needs three
+/// levels (a list of operator maps over lists); anything much deeper is a
+/// mistake or an attack.
+pub const MAX_FREE_FORM_DEPTH: usize = 16;
+
+/// JSON the schema leaves open (`x-kubernetes-preserve-unknown-fields`),
+/// which the API server stores at any depth. Decoding one never fails and
+/// never recurses past [`MAX_FREE_FORM_DEPTH`]: a value nested deeper
+/// decodes to [`FreeForm::TooDeep`], which the compiler reports with its
+/// path. Otherwise one such object would fail the decoding of a whole list
+/// of policies (serde_json stops at 128 levels), and with it a watch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FreeForm {
+    Json(serde_json::Value),
+    TooDeep,
+}
+
+impl FreeForm {
+    /// The value, or the error the compiler reports.
+    pub fn json(&self) -> Result<&serde_json::Value, String> {
+        match self {
+            FreeForm::Json(v) => Ok(v),
+            FreeForm::TooDeep => Err(format!(
+                "nested deeper than {MAX_FREE_FORM_DEPTH} levels; predicates need at most 3"
+            )),
+        }
+    }
+}
+
+impl From<serde_json::Value> for FreeForm {
+    fn from(v: serde_json::Value) -> Self {
+        FreeForm::Json(v)
+    }
+}
+
+impl Serialize for FreeForm {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            FreeForm::Json(v) => v.serialize(s),
+            FreeForm::TooDeep => s.serialize_unit(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for FreeForm {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // A raw value is skipped over without recursion (serde_json scans
+        // it with a stack of its own), so its depth can be measured first.
+        let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
+        if json_depth(raw.get()) > MAX_FREE_FORM_DEPTH {
+            return Ok(FreeForm::TooDeep);
+        }
+        serde_json::from_str(raw.get())
+            .map(FreeForm::Json)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// The nesting depth of well-formed JSON text: brackets outside strings.
+fn json_depth(text: &str) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for b in text.bytes() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
 }
 
 /// A string or number (`within: 10%`, `within: 2`).

@@ -98,3 +98,85 @@ fn predicates_see_a_bounded_prefix_of_each_request_value() {
     let accented = with_team("é".repeat(MAX_ATTRIBUTE_BYTES)).clamped();
     assert_eq!(accented.headers["x-team"].len(), MAX_ATTRIBUTE_BYTES);
 }
+
+/// `{"a":{"a":...}}` nested `depth` levels deep.
+fn nested(depth: usize) -> String {
+    format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth))
+}
+
+fn policy_json(matches_value: &str, drop_value: &str) -> String {
+    format!(
+        r#"{{"pool":{{"selector":{{"app":"vllm"}},"targetPorts":[{{"number":8000}}]}},
+        "rules":[{{"name":"deep","matches":[{{"model":{matches_value}}}],
+                  "route":{{"exclude":[{{"drop":{drop_value}}}],"select":[{{"minimize":"QueueDepth"}}]}}}},
+                 {{"name":"rest","route":{{"select":[{{"minimize":"QueueDepth"}}]}}}}]}}"#
+    )
+}
+
+#[test]
+fn free_form_values_nested_thousands_deep_decode_and_are_refused_with_their_path() {
+    // 3,000 levels: far past serde_json's own limit of 128, which would fail
+    // the decoding of everything around the value.
+    let text = policy_json(&nested(3000), &nested(3000));
+    let spec: kinference_policy::PolicySpec =
+        serde_json::from_str(&text).expect("decodes whatever the depth");
+    let errors = kinference_policy::compile(&spec).unwrap_err();
+    let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [
+            "rules[0].matches[0].model: nested deeper than 16 levels; predicates need at most 3",
+            "rules[0].route.exclude[0].drop: nested deeper than 16 levels; predicates need at most 3",
+        ]
+    );
+}
+
+#[test]
+fn nesting_up_to_the_limit_reaches_the_compiler_as_json() {
+    // 16 levels decode as JSON (and are then refused for what they are, not
+    // for their depth); 17 do not.
+    let at_limit = serde_json::from_str::<kinference_policy::PolicySpec>(&policy_json(
+        &nested(16),
+        r#"{"type":"Provider"}"#,
+    ))
+    .unwrap();
+    let messages: Vec<String> = kinference_policy::compile(&at_limit)
+        .unwrap_err()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        messages.iter().all(|m| !m.contains("nested deeper")),
+        "{messages:#?}"
+    );
+    let over = serde_json::from_str::<kinference_policy::PolicySpec>(&policy_json(
+        &nested(17),
+        r#"{"type":"Provider"}"#,
+    ))
+    .unwrap();
+    let messages: Vec<String> = kinference_policy::compile(&over)
+        .unwrap_err()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        messages[0].contains("nested deeper than 16 levels"),
+        "{messages:#?}"
+    );
+}
+
+#[test]
+fn brackets_inside_strings_do_not_count_as_nesting() {
+    let quoted = format!("{{\"oneOf\":[\"{}\", \"\\\"[[\"]}}", "[".repeat(100));
+    let spec: kinference_policy::PolicySpec =
+        serde_json::from_str(&policy_json(&quoted, r#"{"type":"Provider"}"#)).unwrap();
+    let errors = kinference_policy::compile(&spec).err();
+    let messages: Vec<String> = errors
+        .iter()
+        .flat_map(|e| e.iter().map(ToString::to_string))
+        .collect();
+    assert!(
+        messages.iter().all(|m| !m.contains("nested deeper")),
+        "{messages:#?}"
+    );
+}

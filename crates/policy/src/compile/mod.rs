@@ -326,10 +326,18 @@ fn compile_rules(
                     .iter()
                     .enumerate()
                     .filter_map(|(j, entry)| {
-                        predicates.entry(
-                            &format!("{path}.matches[{j}]"),
-                            entry.iter().map(|(k, v)| (k, &v.0)),
-                        )
+                        let p = format!("{path}.matches[{j}]");
+                        let pairs: Option<Vec<_>> = entry
+                            .iter()
+                            .map(|(k, v)| match v.0.json() {
+                                Ok(json) => Some((k, json)),
+                                Err(message) => {
+                                    predicates.errors.add(format!("{p}.{k}"), message);
+                                    None
+                                }
+                            })
+                            .collect();
+                        predicates.entry(&p, pairs?.into_iter())
                     })
                     .collect(),
             ),

@@ -9,6 +9,7 @@ use crate::attr::{
 use crate::duration::parse_duration;
 use crate::model::{ClassifierSet, Comparison, Conjunction, Operand, Predicate, Test, Value};
 use crate::pattern::PatternError;
+use crate::spec::FreeForm;
 
 /// What a predicate is evaluated against, and how its names resolve.
 pub(crate) trait Side: Sized {
@@ -106,7 +107,14 @@ pub(crate) struct PredicateCompiler<'a, 'e> {
 
 impl PredicateCompiler<'_, '_> {
     /// A single map (one AND-entry) or a list of maps (ORed).
-    pub fn list<A: Side>(&mut self, path: &str, value: &Json) -> Option<Vec<Conjunction<A>>> {
+    pub fn list<A: Side>(&mut self, path: &str, value: &FreeForm) -> Option<Vec<Conjunction<A>>> {
+        let value = match value.json() {
+            Ok(value) => value,
+            Err(message) => {
+                self.errors.add(path, message);
+                return None;
+            }
+        };
         match value {
             Json::Object(map) => Some(vec![self.entry(path, map.iter())?]),
             Json::Array(items) if items.is_empty() => {
