@@ -24,7 +24,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
 use kinference_policy::CompiledPolicy;
 use kube::{Resource, ResourceExt};
@@ -142,7 +142,8 @@ pub fn common_labels(policy_name: &str) -> BTreeMap<String, String> {
 
 /// Metadata of a generated object: name, the policy's namespace, common
 /// labels plus `extra`, and the policy as controlling owner so that deleting
-/// the policy garbage-collects it.
+/// the policy garbage-collects it (a foreground deletion waits for it:
+/// `blockOwnerDeletion`).
 pub fn object_meta(
     policy: &InferencePolicy,
     name: &str,
@@ -154,7 +155,12 @@ pub fn object_meta(
         name: Some(name.to_string()),
         namespace: policy.namespace(),
         labels: Some(labels),
-        owner_references: policy.controller_owner_ref(&()).map(|r| vec![r]),
+        owner_references: policy.controller_owner_ref(&()).map(|r| {
+            vec![OwnerReference {
+                block_owner_deletion: Some(true),
+                ..r
+            }]
+        }),
         ..ObjectMeta::default()
     }
 }
