@@ -72,7 +72,10 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, Diagnostic> {
         path: String::new(),
         message: format!("invalid YAML: {}", e.info()),
     })?;
-    Ok(builder.docs)
+    match builder.problem {
+        Some(problem) => Err(problem),
+        None => Ok(builder.docs),
+    }
 }
 
 /// Reads the policy out of one document.
@@ -176,6 +179,9 @@ struct Builder {
     stack: Vec<Frame>,
     lines: HashMap<String, usize>,
     root: Option<Json>,
+    /// The first thing YAML accepts but a policy must not: a value it would
+    /// silently drop or misread.
+    problem: Option<Diagnostic>,
 }
 
 impl Builder {
@@ -205,6 +211,32 @@ impl Builder {
     fn expecting_key(&self) -> bool {
         matches!(self.stack.last(), Some(Frame::Map { key: None, .. }))
     }
+
+    fn refuse(&mut self, line: usize, path: String, message: String) {
+        self.problem.get_or_insert(Diagnostic {
+            line: Some(line),
+            path,
+            message,
+        });
+    }
+
+    /// A key the current map already has: YAML keeps the last value, so
+    /// `{ tenant: alice, tenant: bob }` would match bob only.
+    fn check_duplicate(&mut self, path: &str, key: &str, line: usize) {
+        let Some(Frame::Map { map, .. }) = self.stack.last() else {
+            return;
+        };
+        if map.contains_key(key) {
+            let first = self.lines.get(path).copied().unwrap_or(line);
+            self.refuse(
+                line,
+                path.to_string(),
+                format!(
+                    "duplicate key {key:?} (first on line {first}); YAML keeps only the last one: merge them into one"
+                ),
+            );
+        }
+    }
 }
 
 impl MarkedEventReceiver for Builder {
@@ -218,7 +250,8 @@ impl MarkedEventReceiver for Builder {
                         };
                         crate::compile::errors_join(path, &text)
                     };
-                    self.lines.insert(path, mark.line());
+                    self.check_duplicate(&path, &text, mark.line());
+                    self.lines.entry(path).or_insert(mark.line());
                     if let Some(Frame::Map { key, .. }) = self.stack.last_mut() {
                         *key = Some(text);
                     }
@@ -255,8 +288,18 @@ impl MarkedEventReceiver for Builder {
                     self.place(Json::Array(items));
                 }
             }
-            // Anchors are not part of the policy language; an alias reads as null.
-            Event::Alias(_) => self.place(Json::Null),
+            // Anchors are not part of the policy language. An alias (and a
+            // `<<: *base` merge) is refused rather than read as null.
+            Event::Alias(_) => {
+                let path = self.child_path();
+                self.refuse(
+                    mark.line(),
+                    path,
+                    "YAML aliases (*name) are not supported in policies: write the value out"
+                        .into(),
+                );
+                self.place(Json::Null);
+            }
             Event::DocumentEnd => {
                 if let Some(value) = self.root.take() {
                     self.docs.push(Document {
@@ -311,6 +354,35 @@ mod tests {
             errors[0].to_string().contains("endpointPicker"),
             "{errors:?}"
         );
+    }
+
+    #[test]
+    fn a_duplicate_key_is_an_error_on_its_line() {
+        let text = "rules:\n  - name: r\n    matches: [{ tenant: alice, tenant: bob }]\n";
+        let err = parse_documents(text).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "line 3: rules[0].matches[0].tenant: duplicate key \"tenant\" (first on line 3); YAML keeps only the last one: merge them into one"
+        );
+        let two_routes = "rules:\n  - name: r\n    route: { select: [] }\n    route: {}\n";
+        let err = parse_documents(two_routes).unwrap_err();
+        assert_eq!(err.line, Some(4));
+        assert_eq!(err.path, "rules[0].route");
+        assert!(err.message.contains("first on line 3"), "{err}");
+        // The same key in different maps is fine.
+        parse_documents("a: { k: 1 }\nb: { k: 2 }\n").unwrap();
+    }
+
+    #[test]
+    fn aliases_are_refused_not_read_as_null() {
+        let text = "base: &b { minimize: QueueDepth }\nrules:\n  - select: [*b]\n";
+        let err = parse_documents(text).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "line 3: rules[0].select[0]: YAML aliases (*name) are not supported in policies: write the value out"
+        );
+        let merge = "a: &x { k: 1 }\nb:\n  <<: *x\n";
+        assert!(parse_documents(merge).is_err());
     }
 
     #[test]
