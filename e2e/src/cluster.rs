@@ -138,6 +138,54 @@ async fn run_install_script() -> Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
+/// How [`TestCluster::start_with`] starts the cluster; the default is what
+/// [`TestCluster::start`] does.
+#[derive(Clone, Debug, Default)]
+pub struct StartOptions {
+    /// Write an audit log: every request at level `Metadata`, stages
+    /// ResponseStarted (watches) and ResponseComplete, one JSON event per
+    /// line, never rotated, at [`TestCluster::audit_log_path`].
+    pub audit_log: bool,
+    /// More kube-apiserver flags, after the defaults (a repeated flag wins).
+    /// Kept for [`TestCluster::start_apiserver`].
+    pub extra_apiserver_args: Vec<String>,
+}
+
+/// The audit policy of [`StartOptions::audit_log`]: request metadata only
+/// (no bodies), and no event on receipt, so a request is one event (a watch
+/// two: when it starts and when it ends).
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+";
+
+impl StartOptions {
+    /// The kube-apiserver flags for these options, writing what they refer
+    /// to (the audit policy) into the cluster directory `dir`.
+    fn apiserver_args(&self, dir: &Path) -> Result<Vec<String>> {
+        let mut args = Vec::new();
+        if self.audit_log {
+            let policy = dir.join("audit-policy.yaml");
+            fs::write(&policy, AUDIT_POLICY)?;
+            args.extend([
+                format!("--audit-policy-file={}", policy.display()),
+                format!("--audit-log-path={}", audit_log_path(dir).display()),
+                "--audit-log-format=json".to_owned(),
+                // Rotation would split the log under a reader's feet.
+                "--audit-log-maxsize=1000000".to_owned(),
+            ]);
+        }
+        args.extend(self.extra_apiserver_args.iter().cloned());
+        Ok(args)
+    }
+}
+
+fn audit_log_path(dir: &Path) -> PathBuf {
+    dir.join("logs/audit.log")
+}
+
 /// A running etcd + kube-apiserver pair. See the module docs.
 pub struct TestCluster {
     bins: Binaries,
@@ -145,10 +193,13 @@ pub struct TestCluster {
     etcd: Option<ManagedProcess>,
     apiserver: Option<ManagedProcess>,
     etcd_client_port: u16,
+    etcd_peer_port: u16,
     apiserver_port: u16,
     kubeconfig_path: PathBuf,
     client: Client,
     token: String,
+    /// Flags from [`StartOptions`], for every start of kube-apiserver.
+    apiserver_args: Vec<String>,
 }
 
 impl std::fmt::Debug for TestCluster {
@@ -166,7 +217,12 @@ impl TestCluster {
     /// the upstream fixture CRDs and the project's CRDs (waiting until each is
     /// `Established`).
     pub async fn start() -> Result<Self> {
-        let cluster = Self::start_without_crds().await?;
+        Self::start_with(StartOptions::default()).await
+    }
+
+    /// Like [`TestCluster::start`], as `options` say.
+    pub async fn start_with(options: StartOptions) -> Result<Self> {
+        let cluster = Self::start_without_crds_with(&options).await?;
         cluster.install_crds_from_dir(&fixture_crds_dir()).await?;
         let project = project_crds_dir();
         if project.is_dir() {
@@ -177,10 +233,14 @@ impl TestCluster {
 
     /// Like [`TestCluster::start`], but installs no CRDs.
     pub async fn start_without_crds() -> Result<Self> {
+        Self::start_without_crds_with(&StartOptions::default()).await
+    }
+
+    async fn start_without_crds_with(options: &StartOptions) -> Result<Self> {
         let bins = Binaries::locate().await?;
         let mut last_err = None;
         for attempt in 1..=START_ATTEMPTS {
-            match Self::try_start(&bins).await {
+            match Self::try_start(&bins, options).await {
                 Ok(cluster) => return Ok(cluster),
                 // A port picked as free may have been taken by someone else
                 // before the server bound it: retry on fresh ports.
@@ -196,8 +256,9 @@ impl TestCluster {
         Err(last_err.unwrap_or_else(|| anyhow!("cluster did not start")))
     }
 
-    async fn try_start(bins: &Binaries) -> Result<Self> {
+    async fn try_start(bins: &Binaries, options: &StartOptions) -> Result<Self> {
         let dir = ScratchDir::new()?;
+        let apiserver_args = options.apiserver_args(&dir.path)?;
         let token = format!("kinference-e2e-{:016x}", unique_u64());
         let pki = dir.path.join("pki");
         fs::create_dir_all(&pki)?;
@@ -215,7 +276,13 @@ impl TestCluster {
         let mut etcd = spawn_etcd(bins, &dir.path, etcd_client_port, etcd_peer_port)?;
         wait_etcd_healthy(&mut etcd, etcd_client_port).await?;
 
-        let mut apiserver = spawn_apiserver(bins, &dir.path, etcd_client_port, apiserver_port)?;
+        let mut apiserver = spawn_apiserver(
+            bins,
+            &dir.path,
+            etcd_client_port,
+            apiserver_port,
+            &apiserver_args,
+        )?;
         let server_url = format!("https://127.0.0.1:{apiserver_port}");
         let client = write_kubeconfig(
             &mut apiserver,
@@ -231,10 +298,12 @@ impl TestCluster {
             etcd: Some(etcd),
             apiserver: Some(apiserver),
             etcd_client_port,
+            etcd_peer_port,
             apiserver_port,
             kubeconfig_path,
             client,
             token,
+            apiserver_args,
         };
         cluster.wait_apiserver_ready().await?;
         Ok(cluster)
@@ -292,6 +361,23 @@ impl TestCluster {
         self.dir.path.join("logs/kube-apiserver.log")
     }
 
+    /// Path of the audit log ([`StartOptions::audit_log`]).
+    pub fn audit_log_path(&self) -> PathBuf {
+        audit_log_path(&self.dir.path)
+    }
+
+    /// The CA that signed kube-apiserver's serving certificate (PEM), for
+    /// other clients of the cluster (kubelet, controllers).
+    pub fn apiserver_ca_path(&self) -> PathBuf {
+        self.dir.path.join("pki/apiserver-ca.crt")
+    }
+
+    /// The RSA key kube-apiserver signs and verifies ServiceAccount tokens
+    /// with; a controller-manager signs with it too.
+    pub fn service_account_key_path(&self) -> PathBuf {
+        self.dir.path.join("pki/sa.key")
+    }
+
     /// Path of the etcd log.
     pub fn etcd_log_path(&self) -> PathBuf {
         self.dir.path.join("logs/etcd.log")
@@ -307,6 +393,33 @@ impl TestCluster {
         self.apiserver
             .as_mut()
             .is_some_and(ManagedProcess::is_running)
+    }
+
+    /// Stop etcd (SIGTERM, then SIGKILL after a grace period); its data
+    /// stays. kube-apiserver keeps running and answers with errors until
+    /// [`TestCluster::start_etcd`].
+    pub async fn stop_etcd(&mut self) -> Result<()> {
+        if let Some(mut p) = self.etcd.take() {
+            p.terminate(APISERVER_STOP_GRACE).await?;
+        }
+        Ok(())
+    }
+
+    /// Start etcd again on the same ports with the same data, and wait until
+    /// it is healthy. No-op if running.
+    pub async fn start_etcd(&mut self) -> Result<()> {
+        if self.etcd.as_mut().is_some_and(ManagedProcess::is_running) {
+            return Ok(());
+        }
+        let mut etcd = spawn_etcd(
+            &self.bins,
+            &self.dir.path,
+            self.etcd_client_port,
+            self.etcd_peer_port,
+        )?;
+        wait_etcd_healthy(&mut etcd, self.etcd_client_port).await?;
+        self.etcd = Some(etcd);
+        Ok(())
     }
 
     /// Stop kube-apiserver (SIGTERM, then SIGKILL after a grace period).
@@ -330,6 +443,7 @@ impl TestCluster {
             &self.dir.path,
             self.etcd_client_port,
             self.apiserver_port,
+            &self.apiserver_args,
         )?);
         self.wait_apiserver_ready().await
     }
@@ -645,10 +759,11 @@ fn spawn_apiserver(
     dir: &Path,
     etcd_port: u16,
     port: u16,
+    extra_args: &[String],
 ) -> Result<ManagedProcess> {
     let pki = dir.join("pki");
     let sa_key = pki.join("sa.key");
-    let args = vec![
+    let mut args = vec![
         format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
         "--bind-address=127.0.0.1".to_owned(),
         "--advertise-address=127.0.0.1".to_owned(),
@@ -669,6 +784,7 @@ fn spawn_apiserver(
         "--service-cluster-ip-range=10.96.0.0/16".to_owned(),
         "--profiling=false".to_owned(),
     ];
+    args.extend_from_slice(extra_args);
     ManagedProcess::spawn(
         "kube-apiserver",
         &bins.kube_apiserver,

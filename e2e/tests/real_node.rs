@@ -1,0 +1,397 @@
+//! Smoke test of the real-node tier (`kinference_e2e::node`): a one-node
+//! cluster whose Deployment goes through the real controller-manager,
+//! scheduler, kubelet, containerd, runc and CNI bridge, reached over HTTP at
+//! its Pod IP and its hostPort, garbage-collected for real, and a teardown
+//! that leaves nothing on the host. Needs root (skipped otherwise).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kinference_e2e::cluster::{K8S_VERSION, KEEP_DIR_ENV};
+use kinference_e2e::node::{
+    self, BRIDGE, ImageConfig, LayerFile, NODE_NAME, RealCluster, binary_with_libraries,
+};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::json;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+const NAMESPACE: &str = "default";
+const HELLO_IMAGE: &str = "kinference.local/hello:v1";
+const SELF_IMAGE: &str = "kinference.local/e2e-self:v1";
+const POD_TIMEOUT: Duration = Duration::from_secs(120);
+const GC_TIMEOUT: Duration = Duration::from_secs(90);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployment_runs_on_a_real_node_and_teardown_leaves_nothing() -> Result<()> {
+    if !node::running_as_root() {
+        eprintln!(
+            "SKIPPED deployment_runs_on_a_real_node_and_teardown_leaves_nothing: \
+             the real-node tier needs root (containerd, runc, iptables, mounts, cgroups)"
+        );
+        return Ok(());
+    }
+    let host_before = HostSnapshot::take();
+    let start = Instant::now();
+    let cluster = RealCluster::start().await?;
+    eprintln!("real node Ready in {:?} ({:?})", start.elapsed(), cluster);
+    let dir = cluster.dir().to_owned();
+
+    let result = exercise(&cluster).await;
+    if result.is_err() {
+        for component in [
+            "kubelet",
+            "containerd",
+            "kube-controller-manager",
+            "kube-scheduler",
+        ] {
+            eprintln!(
+                "--- {component} log tail:\n{}",
+                cluster.log_tail(component, 30)
+            );
+        }
+    }
+    let teardown_start = Instant::now();
+    let teardown = cluster.shutdown();
+    eprintln!("teardown in {:?}", teardown_start.elapsed());
+    result?;
+    teardown?;
+
+    assert_host_clean(&dir, &host_before)
+}
+
+async fn exercise(cluster: &RealCluster) -> Result<()> {
+    let client = cluster.client();
+    let node = Api::<Node>::all(client.clone()).get(NODE_NAME).await?;
+    let info = node.status.and_then(|s| s.node_info).context("nodeInfo")?;
+    assert_eq!(info.kubelet_version, K8S_VERSION);
+    assert!(
+        info.container_runtime_version
+            .starts_with("containerd://1.6"),
+        "{}",
+        info.container_runtime_version
+    );
+
+    build_images(cluster)?;
+    let host_port = free_port()?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
+    deployments
+        .create(&PostParams::default(), &hello_deployment(host_port)?)
+        .await
+        .context("creating the Deployment")?;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let (pod_name, pod_ip) = wait_pod_ready(&pods, "app=hello").await?;
+    eprintln!("pod {pod_name} Ready at {pod_ip}");
+
+    // Straight to the Pod over the CNI bridge…
+    let body = http_get(&format!("{pod_ip}:8080")).await?;
+    ensure!(
+        body.contains(&format!("kinference-pause {pod_name}")),
+        "unexpected reply from the Pod: {body:?}"
+    );
+    // …and through portmap's hostPort DNAT on the node's address.
+    let body = http_get(&format!("{}:{host_port}", cluster.node_ip())).await?;
+    ensure!(
+        body.contains(&pod_name),
+        "unexpected reply on the hostPort: {body:?}"
+    );
+
+    // The real garbage collector removes the ReplicaSet and its Pod.
+    deployments
+        .delete("hello", &DeleteParams::background())
+        .await
+        .context("deleting the Deployment")?;
+    let replica_sets: Api<ReplicaSet> = Api::namespaced(client.clone(), NAMESPACE);
+    let selector = ListParams::default().labels("app=hello");
+    let deadline = Instant::now() + GC_TIMEOUT;
+    loop {
+        let rs = replica_sets.list(&selector).await?.items.len();
+        let pods_left = pods.list(&selector).await?.items.len();
+        if rs == 0 && pods_left == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("after {GC_TIMEOUT:?}: {rs} ReplicaSets and {pods_left} Pods left");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // A Pod still running at shutdown: teardown must kill it and undo its
+    // network namespace, veth and CNI iptables chains without CNI DEL.
+    let bystander: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "bystander", "labels": { "app": "bystander" } },
+        "spec": { "containers": [{
+            "name": "hello",
+            "image": HELLO_IMAGE,
+            "imagePullPolicy": "Never",
+        }] },
+    }))?;
+    pods.create(&PostParams::default(), &bystander).await?;
+    wait_pod_ready(&pods, "app=bystander").await?;
+    Ok(())
+}
+
+/// `hello`: the pause binary serving HTTP (static). `e2e-self`: this test
+/// binary with the host's glibc copied in (dynamic), run as an init
+/// container, which proves such images run.
+fn build_images(cluster: &RealCluster) -> Result<()> {
+    let pause = cluster.binaries().path("kinference-pause");
+    let hello = [LayerFile::host_file("/hello", &pause, 0o755)];
+    cluster.build_image(
+        HELLO_IMAGE,
+        &hello,
+        &ImageConfig {
+            entrypoint: vec!["/hello".into()],
+            cmd: vec!["-http".into(), ":8080".into()],
+            user: Some("65532:65532".into()),
+            exposed_ports: vec!["8080/tcp".into()],
+            working_dir: Some("/".into()),
+            env: vec!["GREETING=hello".into()],
+            ..ImageConfig::default()
+        },
+    )?;
+    let me = std::env::current_exe()?;
+    let files = binary_with_libraries(&me, "/e2e-self")?;
+    ensure!(
+        files.len() > 1,
+        "expected shared libraries for {}",
+        me.display()
+    );
+    cluster.build_image(
+        SELF_IMAGE,
+        &files,
+        &ImageConfig {
+            entrypoint: vec!["/e2e-self".into()],
+            ..ImageConfig::default()
+        },
+    )?;
+    Ok(())
+}
+
+fn hello_deployment(host_port: u16) -> Result<Deployment> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": "hello" },
+        "spec": {
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": "hello" } },
+            "template": {
+                "metadata": { "labels": { "app": "hello" } },
+                "spec": {
+                    "terminationGracePeriodSeconds": 2,
+                    "initContainers": [{
+                        "name": "glibc-binary",
+                        "image": SELF_IMAGE,
+                        "imagePullPolicy": "Never",
+                        // libtest lists this binary's tests and exits 0.
+                        "args": ["--list"],
+                    }],
+                    "containers": [{
+                        "name": "hello",
+                        "image": HELLO_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "ports": [{ "containerPort": 8080, "hostPort": host_port }],
+                        "readinessProbe": {
+                            "httpGet": { "path": "/", "port": 8080 },
+                            "periodSeconds": 1,
+                        },
+                        "resources": {
+                            "requests": { "cpu": "50m", "memory": "32Mi" },
+                            "limits": { "cpu": "200m", "memory": "64Mi" },
+                        },
+                        "securityContext": {
+                            "runAsNonRoot": true,
+                            "readOnlyRootFilesystem": true,
+                            "allowPrivilegeEscalation": false,
+                            "capabilities": { "drop": ["ALL"] },
+                        },
+                    }],
+                },
+            },
+        },
+    }))?)
+}
+
+/// Wait for a Pod matching `selector` to be Ready; returns its name and IP.
+async fn wait_pod_ready(pods: &Api<Pod>, selector: &str) -> Result<(String, String)> {
+    let deadline = Instant::now() + POD_TIMEOUT;
+    loop {
+        let list = pods.list(&ListParams::default().labels(selector)).await?;
+        for pod in &list.items {
+            let status = pod.status.as_ref();
+            let ready = status
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let ip = status.and_then(|s| s.pod_ip.clone());
+            if let (true, Some(ip)) = (ready, ip) {
+                return Ok((pod.metadata.name.clone().unwrap_or_default(), ip));
+            }
+        }
+        if Instant::now() > deadline {
+            let statuses: Vec<_> = list.items.iter().map(|p| &p.status).collect();
+            bail!("no Ready Pod {selector} after {POD_TIMEOUT:?}: {statuses:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// `GET /` over HTTP/1.0; the body.
+async fn http_get(addr: &str) -> Result<String> {
+    let io = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.write_all(b"GET / HTTP/1.0\r\n\r\n").await?;
+        let mut buf = Vec::new();
+        stream.read_to_end(&mut buf).await?;
+        anyhow::Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let response = tokio::time::timeout(Duration::from_secs(10), io)
+        .await
+        .with_context(|| format!("GET http://{addr}/ timed out"))?
+        .with_context(|| format!("GET http://{addr}/"))?;
+    ensure!(
+        response.starts_with("HTTP/1.0 200"),
+        "GET http://{addr}/: {response}"
+    );
+    Ok(response)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind(("0.0.0.0", 0))?
+        .local_addr()?
+        .port())
+}
+
+/// What the node could leave on the host, outside its directory.
+#[derive(Debug, PartialEq)]
+struct HostSnapshot {
+    entries: BTreeSet<String>,
+    chains: BTreeSet<String>,
+    links: BTreeSet<String>,
+}
+
+impl HostSnapshot {
+    fn take() -> Self {
+        let mut entries = BTreeSet::new();
+        for dir in [
+            "/run",
+            "/run/containerd",
+            "/run/containerd/s",
+            "/run/netns",
+            "/var/run/netns",
+            "/var/lib",
+            "/var/lib/cni",
+            "/var/lib/cni/results",
+            "/var/lib/cni/networks",
+            "/var/log/containers",
+            "/var/log/pods",
+            "/etc/cni",
+            "/opt",
+            "/opt/cni",
+        ] {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                entries.insert(format!("{dir}/{}", entry.file_name().to_string_lossy()));
+            }
+        }
+        for hierarchy in std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for entry in std::fs::read_dir(hierarchy.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    entries.insert(entry.path().display().to_string());
+                }
+            }
+        }
+        let mut chains = BTreeSet::new();
+        for family in ["iptables", "ip6tables"] {
+            for table in ["filter", "nat", "mangle", "raw"] {
+                let out = Command::new(family)
+                    .args(["-w", "-t", table, "-S"])
+                    .output();
+                let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+                for line in text.unwrap_or_default().lines() {
+                    chains.insert(format!("{family} {table} {line}"));
+                }
+            }
+        }
+        let links = std::fs::read_dir("/sys/class/net")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        Self {
+            entries,
+            chains,
+            links,
+        }
+    }
+}
+
+fn assert_host_clean(dir: &Path, before: &HostSnapshot) -> Result<()> {
+    let mounts = node::mounts_under(dir);
+    ensure!(
+        mounts.is_empty(),
+        "mounts left under {}: {mounts:?}",
+        dir.display()
+    );
+    let kept = std::env::var_os(KEEP_DIR_ENV).is_some_and(|v| !v.is_empty() && v != "0");
+    ensure!(kept || !dir.exists(), "{} still exists", dir.display());
+    ensure!(
+        !Path::new("/sys/class/net").join(BRIDGE).exists(),
+        "bridge {BRIDGE} still exists"
+    );
+    let leftovers = node_processes(&dir.display().to_string());
+    ensure!(leftovers.is_empty(), "processes left: {leftovers:?}");
+    let after = HostSnapshot::take();
+    // Only what appeared counts: start-up may have removed leftovers of an
+    // earlier run that was killed.
+    let diff = |before: &BTreeSet<String>, after: &BTreeSet<String>| -> Vec<String> {
+        after.difference(before).cloned().collect()
+    };
+    let entries = diff(&before.entries, &after.entries);
+    let chains = diff(&before.chains, &after.chains);
+    let links = diff(&before.links, &after.links);
+    ensure!(
+        entries.is_empty() && chains.is_empty() && links.is_empty(),
+        "the host changed: files/cgroups {entries:?}, iptables {chains:?}, links {links:?}"
+    );
+    Ok(())
+}
+
+/// `pid: cmdline` of node components (by program name; etcd and
+/// kube-apiserver are left out: other tests run them) and of any process
+/// whose command line names the node's directory.
+fn node_processes(dir: &str) -> Vec<String> {
+    const PROGRAMS: [&str; 5] = [
+        "containerd",
+        "containerd-shim-runc-v2",
+        "kubelet",
+        "kube-scheduler",
+        "kube-controller-manager",
+    ];
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let program = cmdline.split(' ').next().unwrap_or_default();
+        let program = program.rsplit('/').next().unwrap_or_default();
+        if PROGRAMS.contains(&program) || cmdline.contains(dir) {
+            found.push(format!("{pid}: {cmdline}"));
+        }
+    }
+    found
+}
