@@ -23,11 +23,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Compile policies offline and report every error with its path and line.
+    /// Compile policies offline and report every error with its path and
+    /// line, then warnings about rules that can never match, tiers that can
+    /// never have a survivor, tag rules that fail open and the like.
     Lint {
         /// Policy files: a bare policy or InferencePolicy manifests.
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Exit non-zero on warnings too (for CI).
+        #[arg(long)]
+        deny_warnings: bool,
     },
     /// Show how a policy decides one request over a set of candidates.
     Explain {
@@ -84,7 +89,10 @@ enum Output {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Lint { files } => lint::run(&files),
+        Command::Lint {
+            files,
+            deny_warnings,
+        } => lint::run(&files, deny_warnings),
         Command::Explain {
             policy,
             request,

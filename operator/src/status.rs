@@ -16,6 +16,8 @@ use kinference_api::{
 };
 
 pub const REASON_ACCEPTED: &str = "Accepted";
+/// Accepted, and `kinference lint` would warn: the message lists the warnings.
+pub const REASON_ACCEPTED_WITH_WARNINGS: &str = "AcceptedWithWarnings";
 pub const REASON_INVALID_POLICY: &str = "InvalidPolicy";
 pub const REASON_RESOLVED_REFS: &str = "ResolvedRefs";
 pub const REASON_SECRET_NOT_FOUND: &str = "SecretNotFound";
@@ -43,6 +45,8 @@ pub enum Acceptance {
         rules: usize,
         providers: usize,
         pool: String,
+        /// Lint warnings as `path: message (fix: ...)`.
+        warnings: Vec<String>,
     },
     /// Every error as `path: message`.
     Rejected { errors: Vec<String> },
@@ -101,15 +105,24 @@ pub fn compute(
             rules,
             providers,
             pool,
+            warnings,
         } => (
             (
                 true,
-                REASON_ACCEPTED,
-                format!(
-                    "policy compiled: {rules} rule{}, {providers} provider{}; hash {}",
-                    plural(*rules),
-                    plural(*providers),
-                    short(hash)
+                if warnings.is_empty() {
+                    REASON_ACCEPTED
+                } else {
+                    REASON_ACCEPTED_WITH_WARNINGS
+                },
+                truncate(
+                    &format!(
+                        "policy compiled: {rules} rule{}, {providers} provider{}; hash {}{}",
+                        plural(*rules),
+                        plural(*providers),
+                        short(hash),
+                        warnings_suffix(warnings)
+                    ),
+                    MAX_MESSAGE,
                 ),
             ),
             Some(pool.clone()),
@@ -345,6 +358,13 @@ fn short(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)
 }
 
+fn warnings_suffix(warnings: &[String]) -> String {
+    match warnings.len() {
+        0 => String::new(),
+        n => format!("; {n} warning{}: {}", plural(n), warnings.join("; ")),
+    }
+}
+
 fn plural(n: usize) -> &'static str {
     if n == 1 { "" } else { "s" }
 }
@@ -386,7 +406,29 @@ mod tests {
             rules: 2,
             providers: 1,
             pool: "chat".into(),
+            warnings: Vec::new(),
         }
+    }
+
+    #[test]
+    fn lint_warnings_ride_on_accepted() {
+        let mut acceptance = accepted();
+        if let Acceptance::Accepted { warnings, .. } = &mut acceptance {
+            warnings.push("rules[1].matches: rule \"b\" can never match (fix: delete it)".into());
+        }
+        let s = compute(None, &obs(acceptance, 0, &[]), t(0));
+        let c = cond(&s, "Accepted");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "AcceptedWithWarnings")
+        );
+        assert!(
+            c.message.ends_with(
+                "; 1 warning: rules[1].matches: rule \"b\" can never match (fix: delete it)"
+            ),
+            "{}",
+            c.message
+        );
     }
 
     fn obs(acceptance: Acceptance, available: i32, loaded: &[&str]) -> Observation {

@@ -8,6 +8,7 @@ pub mod attr;
 pub mod compile;
 pub mod duration;
 pub mod eval;
+pub mod lint;
 pub mod model;
 pub mod pattern;
 pub mod source;

@@ -423,6 +423,8 @@ pub struct LintReport {
     pub accepted: Vec<(String, usize)>,
     /// `file:line: path: message` lines.
     pub errors: Vec<String>,
+    /// `file:line: path: warning: message (fix: ...)` lines.
+    pub warnings: Vec<String>,
 }
 
 /// Lints every document in `text`, naming errors after `file`.
@@ -443,6 +445,15 @@ pub fn lint_text(file: &str, text: &str) -> LintReport {
     for (i, doc) in docs.iter().enumerate() {
         match compile_document(doc) {
             Ok((policy, compiled)) => {
+                for w in crate::lint::warnings(&compiled) {
+                    let path = crate::compile::errors_join(policy.prefix, &w.path);
+                    let d = Diagnostic {
+                        line: doc.line_of(&path),
+                        path,
+                        message: format!("warning: {} (fix: {})", w.message, w.fix),
+                    };
+                    report.warnings.push(located(file, &d));
+                }
                 let name = policy.name.unwrap_or_else(|| format!("document {}", i + 1));
                 report.accepted.push((name, compiled.rules.len()));
             }

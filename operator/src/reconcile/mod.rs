@@ -149,6 +149,10 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
                 rules: c.rules.len(),
                 providers: c.providers.len(),
                 pool: names.pool(),
+                warnings: kinference_policy::lint::warnings(c)
+                    .iter()
+                    .map(|w| format!("spec.{w}"))
+                    .collect(),
             }
         }
         // An invalid policy changes nothing in the cluster: above all not
