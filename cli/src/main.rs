@@ -4,6 +4,7 @@
 mod demo;
 mod explain;
 mod lint;
+mod policy_tests;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +47,15 @@ enum Command {
         candidates: PathBuf,
         #[arg(long, value_enum, default_value_t = Output::Text)]
         output: Output,
+        /// Seed for `tieBreak: Random`.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Run a policy's test cases (requests, assumed tags, candidate
+    /// snapshots, expected outcomes) and report rule and tier coverage.
+    Test {
+        policy: PathBuf,
+        tests: PathBuf,
         /// Seed for `tieBreak: Random`.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -93,6 +103,11 @@ fn main() -> ExitCode {
             files,
             deny_warnings,
         } => lint::run(&files, deny_warnings),
+        Command::Test {
+            policy,
+            tests,
+            seed,
+        } => policy_tests::run(&policy, &tests, seed),
         Command::Explain {
             policy,
             request,
