@@ -3,3 +3,4 @@
 pub mod cluster;
 pub mod kubelet;
 pub mod node;
+pub mod scale;

@@ -29,7 +29,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use kinference_api::{EppPodStatus, InferencePolicy, SecretKeyStatus, epp_field_manager};
-use kinference_e2e::cluster::{TestCluster, yaml_documents_to_json};
+use kinference_e2e::cluster::{StartOptions, TestCluster, yaml_documents_to_json};
 use kinference_operator::{Config, LeaderElectionConfig, Metrics, Requeue};
 use kube::api::{
     Api, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
@@ -971,6 +971,11 @@ async fn access_allowed(
     ns: &str,
     name: Option<&str>,
 ) -> Result<bool> {
+    // `resource/subresource`, as RBAC rules spell it.
+    let (resource, subresource) = match resource.split_once('/') {
+        Some((r, s)) => (r, Some(s.to_string())),
+        None => (resource, None),
+    };
     let review = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
             user: Some(user.into()),
@@ -978,6 +983,7 @@ async fn access_allowed(
                 verb: Some(verb.into()),
                 group: Some(group.into()),
                 resource: Some(resource.into()),
+                subresource,
                 namespace: Some(ns.into()),
                 name: name.map(str::to_string),
                 ..ResourceAttributes::default()
@@ -993,7 +999,7 @@ async fn access_allowed(
 }
 
 /// Kinds the operator watches, as (API group, resource).
-const WATCHED: [(&str, &str); 12] = [
+const WATCHED: [(&str, &str); 13] = [
     ("kinference.io", "inferencepolicies"),
     ("", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "roles"),
@@ -1006,6 +1012,7 @@ const WATCHED: [(&str, &str); 12] = [
     ("gateway.networking.k8s.io", "httproutes"),
     ("gateway.networking.k8s.io", "backendtlspolicies"),
     ("", "pods"),
+    ("gateway.networking.k8s.io", "gateways"),
 ];
 
 /// Installs `docs` for real, runs the operator in-process as `operator_user`
@@ -1318,7 +1325,15 @@ async fn play_the_epp(cluster: &TestCluster, applier: &Applier, ns: &str) -> Res
 /// and the ServiceAccount is denied what the operator does not use.
 #[tokio::test]
 async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
-    let cluster = TestCluster::start().await?;
+    // Owner references with blockOwnerDeletion need update on the owner's
+    // finalizers where this plugin runs (OpenShift enables it).
+    let cluster = TestCluster::start_with(StartOptions {
+        extra_apiserver_args: vec![
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement".into(),
+        ],
+        ..StartOptions::default()
+    })
+    .await?;
     let admin = cluster.client();
     let ns = "team-rbac";
     drive_a_policy_as_the_operator(
@@ -1331,6 +1346,21 @@ async fn operator_runs_with_the_manifest_rbac() -> Result<()> {
     )
     .await?;
 
+    // Owner references with blockOwnerDeletion, where the API server
+    // enforces owner-reference permissions.
+    ensure!(
+        access_allowed(
+            &admin,
+            OPERATOR_USER,
+            "update",
+            "kinference.io",
+            "inferencepolicies/finalizers",
+            ns,
+            None
+        )
+        .await?,
+        "the operator may not set blockOwnerDeletion on its objects"
+    );
     // What the watches need but a short run might not show.
     for (group, resource) in WATCHED {
         for verb in ["list", "watch"] {

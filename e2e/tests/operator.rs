@@ -19,11 +19,13 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
+use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
     EppPodStatus, InferencePolicy, InferencePolicySpec, POLICY_HASH_KEY, POLICY_KEY, POLICY_LABEL,
     SecretKeyStatus, epp_field_manager,
 };
-use kinference_e2e::cluster::TestCluster;
+use kinference_e2e::cluster::{StartOptions, TestCluster};
+use kinference_e2e::scale::{RequestCounts, read_audit_log};
 use kinference_operator::leader::LeaseLock;
 use kinference_operator::{Config, LeaderElectionConfig, Metrics, OperatorHandle, Requeue};
 use kinference_policy::PolicySpec;
@@ -186,7 +188,7 @@ fn valid_spec() -> Value {
                     "select": [{"type": "Provider", "minimize": "ErrorRate"}]
                 }
             },
-            {"name": "default", "route": {"select": [{"minimize": "QueueDepth"}]}}
+            {"name": "default", "route": {"select": [{"minimize": "QueueDepth"}], "tieBreak": "Random"}}
         ]
     })
 }
@@ -1544,6 +1546,276 @@ async fn a_deeply_nested_or_oversized_policy_gets_a_status_and_stops_nothing_els
         .create(&PostParams::default(), &policy("later", valid_spec())?)
         .await?;
     wait_condition(&policies, "later", "Accepted", "True").await?;
+    operator.stop().await?;
+    Ok(())
+}
+
+/// `valid_spec` routing one more model name to providers: a new hash.
+fn spec_variant(i: usize) -> Value {
+    let mut spec = valid_spec();
+    spec["rules"][0]["matches"][0]["model"] = json!(["gpt-4o-mini", format!("m{i}")]);
+    spec
+}
+
+/// Waits until every policy's Accepted condition is True for its current
+/// generation and its ConfigMap holds the hash of its current spec.
+async fn wait_converged(client: &Client, specs: &BTreeMap<String, Value>) -> Result<()> {
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    for (name, spec) in specs {
+        wait_condition(&policies, name, "Accepted", "True").await?;
+        let want = hash_of(spec)?;
+        eventually(
+            &format!("{name}'s ConfigMap at the last spec"),
+            async || {
+                let cm = configmaps.get(&format!("{name}-policy")).await?;
+                let hash = cm.data.unwrap_or_default().remove(POLICY_HASH_KEY);
+                Ok((hash.as_deref() == Some(want.as_str())).then_some(()))
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// etcd goes away for 10 s under a running API server and operator: the
+/// operator rides it out, and an edit made once etcd is back is reconciled
+/// within seconds.
+#[tokio::test]
+async fn an_etcd_restart_is_ridden_out_and_edits_after_it_are_reconciled() -> Result<()> {
+    let mut cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("chat", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+
+    cluster.stop_etcd().await?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    cluster.start_etcd().await?;
+    let back = Instant::now();
+    let spec = spec_variant(1);
+    replace_spec(&policies, "chat", spec.clone()).await?;
+    policies
+        .create(
+            &PostParams::default(),
+            &policy("created-after", valid_spec())?,
+        )
+        .await?;
+    let edited = Instant::now();
+    eprintln!(
+        "the API server took writes {:?} after etcd came back",
+        back.elapsed()
+    );
+    let specs = BTreeMap::from([
+        ("chat".to_string(), spec),
+        ("created-after".to_string(), valid_spec()),
+    ]);
+    wait_converged(&client, &specs).await?;
+    eprintln!("reconciled {:?} after the edits", edited.elapsed());
+    assert!(!operator.is_finished(), "the operator kept running");
+    operator.stop().await?;
+    Ok(())
+}
+
+/// 50 edits over 10 policies; the operator is killed (no graceful stop)
+/// halfway through and a new one takes over: every policy ends at its last
+/// spec, with exactly the objects it should have.
+#[tokio::test]
+async fn an_operator_killed_mid_burst_is_replaced_and_nothing_is_lost() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let (first, _metrics) = start_operator(&client);
+    let mut specs = BTreeMap::new();
+    for p in 0..10 {
+        let name = format!("p{p}");
+        policies
+            .create(&PostParams::default(), &policy(&name, valid_spec())?)
+            .await?;
+        specs.insert(name, valid_spec());
+    }
+    let mut first = Some(first);
+    for i in 0..50 {
+        let name = format!("p{}", i % 10);
+        let spec = spec_variant(i);
+        replace_spec(&policies, &name, spec.clone()).await?;
+        specs.insert(name, spec);
+        if i == 25 {
+            first.take().context("killed once")?.kill().await;
+        }
+    }
+    let (second, _metrics) = start_operator(&client);
+    wait_converged(&client, &specs).await?;
+    let expected: Vec<String> = generated_versions(&client, "p0")
+        .await?
+        .keys()
+        .map(|k| k.replace("p0", "{p}"))
+        .collect();
+    for p in 0..10 {
+        let name = format!("p{p}");
+        let objects: Vec<String> = generated_versions(&client, &name)
+            .await?
+            .keys()
+            .map(|k| k.replace(&name, "{p}"))
+            .collect();
+        assert_eq!(objects, expected, "{name}: orphans or missing objects");
+    }
+    second.stop().await?;
+    Ok(())
+}
+
+/// The leader is killed without releasing its Lease: the standby takes over
+/// once the Lease expires, and reconciles what changed meanwhile.
+#[tokio::test]
+async fn a_killed_leader_is_replaced_when_its_lease_expires() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    create_namespace(&client, "kinference-system").await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kinference-system");
+    let holder = async || -> Result<Option<String>> {
+        Ok(leases
+            .get_opt("kinference-operator")
+            .await?
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity))
+    };
+    let start = |identity: &str| {
+        let metrics = Metrics::new();
+        let config = Config {
+            leader_election: Some(LeaderElectionConfig {
+                lease_duration: Duration::from_secs(4),
+                retry_period: Duration::from_millis(300),
+                renew_deadline: Duration::from_secs(3),
+                ..LeaderElectionConfig::new("kinference-system", identity)
+            }),
+            instance: Some(identity.to_string()),
+            ..test_config(&metrics)
+        };
+        (kinference_operator::spawn(client.clone(), config), metrics)
+    };
+    let (a, _) = start("operator-a");
+    eventually("a leads", async || {
+        Ok((holder().await?.as_deref() == Some("operator-a")).then_some(()))
+    })
+    .await?;
+    let (b, b_metrics) = start("operator-b");
+
+    a.kill().await;
+    let killed = Instant::now();
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(
+            &PostParams::default(),
+            &policy("while-leaderless", valid_spec())?,
+        )
+        .await?;
+    eventually("b leads", async || {
+        Ok((holder().await?.as_deref() == Some("operator-b")).then_some(()))
+    })
+    .await?;
+    let took = killed.elapsed();
+    assert!(
+        took >= Duration::from_secs(3),
+        "b took a Lease that was not expired ({took:?})"
+    );
+    wait_condition(&policies, "while-leaderless", "Accepted", "True").await?;
+    eprintln!("standby took over {took:?} after the leader was killed");
+    assert!(b_metrics.reconciles_total() > 0);
+    b.stop().await?;
+    Ok(())
+}
+
+/// The operator as its own user (impersonated, in `system:masters`), so the
+/// audit log tells its requests apart from the test's.
+async fn client_as_operator(cluster: &TestCluster) -> Result<Client> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(cluster.kubeconfig_path())?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.auth_info.impersonate = Some(AUDITED_OPERATOR.into());
+    config.auth_info.impersonate_groups = Some(vec!["system:masters".into()]);
+    Ok(Client::try_from(config)?)
+}
+
+const AUDITED_OPERATOR: &str = "kinference-operator-audited";
+
+/// What the operator sent during `window`, from the audit log, after the
+/// last writes have settled; fails unless it reconciled about once a second
+/// meanwhile.
+async fn requests_while_idle(
+    cluster: &TestCluster,
+    metrics: &Metrics,
+    window: Duration,
+) -> Result<RequestCounts> {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (from, before) = (Timestamp::now(), metrics.reconciles_total());
+    tokio::time::sleep(window).await;
+    let (to, reconciles) = (Timestamp::now(), metrics.reconciles_total() - before);
+    ensure!(
+        reconciles + 1 >= window.as_secs(),
+        "only {reconciles} reconciles in {window:?}"
+    );
+    let events = read_audit_log(&cluster.audit_log_path())?;
+    Ok(RequestCounts::of(&events, AUDITED_OPERATOR, from, to))
+}
+
+/// With a reconcile every second, a policy waiting for its EPP and then a
+/// Ready one cost no request at all beyond the watches: everything a
+/// reconcile reads is in the watches' caches, and nothing is re-applied
+/// unchanged. Counted by the API server's audit log. Drift is still undone.
+#[tokio::test]
+async fn a_reconcile_that_finds_nothing_to_do_sends_nothing() -> Result<()> {
+    let cluster = TestCluster::start_with(StartOptions {
+        audit_log: true,
+        ..StartOptions::default()
+    })
+    .await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let metrics = Metrics::new();
+    let mut config = test_config(&metrics);
+    config.requeue.resync = Duration::from_secs(1);
+    let operator = kinference_operator::spawn(client_as_operator(&cluster).await?, config);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("chat", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+
+    let waiting = requests_while_idle(&cluster, &metrics, Duration::from_secs(6)).await?;
+    assert_eq!(waiting.total(), 0, "while waiting for the EPP: {waiting:?}");
+
+    create_gateway(&client, "inference-gateway").await?;
+    create_epp_pod(&client, "chat").await?;
+    make_epp_available(&client, "chat").await?;
+    let hash = hash_of(&valid_spec())?;
+    report(&client, "chat", &epp_pod("chat"), &hash, KEYS_FOUND).await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+    let ready = requests_while_idle(&cluster, &metrics, Duration::from_secs(6)).await?;
+    assert_eq!(ready.total(), 0, "with the EPP Ready: {ready:?}");
+
+    // Someone edits a generated object: it is applied again at once.
+    let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    configmaps
+        .patch(
+            "chat-policy",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {POLICY_HASH_KEY: "tampered"}})),
+        )
+        .await?;
+    eventually("the ConfigMap restored", async || {
+        let cm = configmaps.get("chat-policy").await?;
+        Ok((cm.data.unwrap_or_default()[POLICY_HASH_KEY] == hash).then_some(()))
+    })
+    .await?;
     operator.stop().await?;
     Ok(())
 }

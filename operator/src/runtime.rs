@@ -219,6 +219,13 @@ impl OperatorHandle {
         self.task.await.map_err(|e| RunError::Task(e.to_string()))?
     }
 
+    /// Stops at once, as a killed process would: in-flight requests are
+    /// dropped and the Lease is not released. For fault tests.
+    pub async fn kill(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
     }
