@@ -3,7 +3,9 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use kinference_policy::CompiledPolicy;
-use kinference_policy::eval::{Candidate, Decision, Request, Trace, evaluate_with};
+use kinference_policy::eval::{
+    Candidate, Decision, Request, Trace, evaluate_with, parse_candidates,
+};
 use kinference_policy::source::{compile_text, parse_documents};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -25,8 +27,9 @@ pub fn run(
         anyhow::anyhow!("the policy does not compile:\n{}", lines.join("\n"))
     })?;
     let (request, tags) = read_request(request)?;
-    let candidates: Vec<Candidate> = serde_json::from_value(read_value(candidates)?)
-        .with_context(|| format!("reading candidates from {}", candidates.display()))?;
+    check_tags(&compiled, &tags)?;
+    let candidates = parse_candidates(read_value(candidates)?)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", candidates.display()))?;
     let explanation = explain(&compiled, &request, &tags, &candidates, seed);
     if json {
         println!("{}", serde_json::to_string_pretty(&explanation.to_json())?);
@@ -34,6 +37,24 @@ pub fn run(
         print!("{}", explanation.render());
     }
     Ok(true)
+}
+
+/// Tags to assume must be ones the policy's classifiers can emit: a typo
+/// would otherwise read as "the classifier emitted nothing".
+pub fn check_tags(policy: &CompiledPolicy, tags: &[String]) -> anyhow::Result<()> {
+    let known = |t: &String| policy.classifiers.iter().any(|c| c.tags.contains(t));
+    if let Some(unknown) = tags.iter().find(|t| !known(t)) {
+        let all: Vec<&str> = policy
+            .classifiers
+            .iter()
+            .flat_map(|c| c.tags.iter().map(String::as_str))
+            .collect();
+        bail!(
+            "no classifier of the policy emits tag {unknown:?} (they emit: {})",
+            all.join(", ")
+        );
+    }
+    Ok(())
 }
 
 pub struct Explanation<'a> {

@@ -10,12 +10,12 @@ use std::path::Path;
 use anyhow::{Context, anyhow, bail};
 use kinference_policy::CompiledPolicy;
 use kinference_policy::attr::CandidateType;
-use kinference_policy::eval::{Candidate, Decision, Request};
+use kinference_policy::eval::{Candidate, Decision, Request, parse_candidates};
 use kinference_policy::source::{compile_text, parse_documents};
 use serde::Deserialize;
 use serde_json::Value as Json;
 
-use crate::explain::{Explanation, explain};
+use crate::explain::{Explanation, check_tags, explain};
 
 /// The test file.
 #[derive(Debug, Deserialize)]
@@ -23,7 +23,7 @@ use crate::explain::{Explanation, explain};
 struct TestFile {
     /// Named candidate snapshots that cases refer to by name.
     #[serde(default)]
-    candidates: BTreeMap<String, Vec<Candidate>>,
+    candidates: BTreeMap<String, Json>,
     cases: Vec<Case>,
 }
 
@@ -45,7 +45,7 @@ struct Case {
 #[serde(untagged)]
 enum Snapshot {
     Named(String),
-    Inline(Vec<Candidate>),
+    Inline(Json),
 }
 
 /// What must hold; every field given is checked.
@@ -80,9 +80,10 @@ pub fn run(policy: &Path, tests: &Path, seed: u64) -> anyhow::Result<bool> {
     let mut coverage = Coverage::of(&compiled);
     let mut failed = 0;
     for case in &file.cases {
-        let candidates =
-            resolve(&file, &case.candidates).with_context(|| format!("case {:?}", case.name))?;
-        let explained = explain(&compiled, &case.request, &case.tags, candidates, seed);
+        let candidates = resolve(&file, &case.candidates)
+            .and_then(|c| check_tags(&compiled, &case.tags).map(|()| c))
+            .with_context(|| format!("{}: case {:?}", tests.display(), case.name))?;
+        let explained = explain(&compiled, &case.request, &case.tags, &candidates, seed);
         coverage.record(&explained);
         let problems = check(&case.expect, &explained);
         if problems.is_empty() {
@@ -105,15 +106,15 @@ pub fn run(policy: &Path, tests: &Path, seed: u64) -> anyhow::Result<bool> {
     Ok(failed == 0)
 }
 
-fn resolve<'a>(file: &'a TestFile, snapshot: &'a Snapshot) -> anyhow::Result<&'a [Candidate]> {
-    match snapshot {
-        Snapshot::Inline(c) => Ok(c),
+fn resolve(file: &TestFile, snapshot: &Snapshot) -> anyhow::Result<Vec<Candidate>> {
+    let json = match snapshot {
+        Snapshot::Inline(c) => c,
         Snapshot::Named(name) => file
             .candidates
             .get(name)
-            .map(Vec::as_slice)
-            .ok_or_else(|| anyhow!("no candidate fixture named {name:?}")),
-    }
+            .ok_or_else(|| anyhow!("no candidate fixture named {name:?}"))?,
+    };
+    parse_candidates(json.clone()).map_err(|e| anyhow!(e))
 }
 
 /// Every way the outcome differs from `expect`, as `expected ..., got ...`.

@@ -22,6 +22,7 @@ pub struct Request {
     pub api: Option<String>,
     /// Header names lower-cased.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(deserialize_with = "lowercase_keys")]
     pub headers: BTreeMap<String, String>,
     #[serde(default)]
     pub prompt_tokens: u64,
@@ -33,7 +34,10 @@ pub struct Request {
     pub lora: Option<String>,
     /// Seconds.
     #[serde(default, rename = "ttftSLO", deserialize_with = "seconds_opt")]
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "duration_text"
+    )]
     pub ttft_slo: Option<f64>,
 }
 
@@ -179,11 +183,17 @@ pub struct Metrics {
     pub cached_prefix_tokens: Option<f64>,
     /// Seconds.
     #[serde(rename = "PredictedTTFT", default, deserialize_with = "seconds_opt")]
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "duration_text"
+    )]
     pub predicted_ttft: Option<f64>,
     /// Seconds.
     #[serde(rename = "ObservedTTFT", default, deserialize_with = "seconds_opt")]
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "duration_text"
+    )]
     pub observed_ttft: Option<f64>,
     #[serde(rename = "ErrorRate", default, skip_serializing_if = "Option::is_none")]
     pub error_rate: Option<f64>,
@@ -247,19 +257,95 @@ impl Candidate {
     }
 }
 
-/// Durations in request/candidate files: `120ms`, `1.5s`, or a number of seconds.
+/// Durations in request/candidate files, written as in policies: `120ms`,
+/// `1.5s`. A bare number is refused: `300` could mean seconds or
+/// milliseconds, and read as seconds it silently made every Pod look slow.
 fn seconds_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Raw {
-        Seconds(f64),
+        Number(f64),
         Text(String),
     }
     match Option::<Raw>::deserialize(d)? {
         None => Ok(None),
-        Some(Raw::Seconds(s)) => Ok(Some(s)),
+        Some(Raw::Number(n)) => Err(serde::de::Error::custom(format!(
+            "write the duration {n} with its unit, as in policies: `{n}ms` or `{n}s`"
+        ))),
         Some(Raw::Text(t)) => parse_duration(&t)
             .map(|d| Some(d.as_secs_f64()))
             .map_err(serde::de::Error::custom),
     }
+}
+
+/// Writes seconds the way [`seconds_opt`] reads them.
+fn duration_text<S: serde::Serializer>(seconds: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match seconds {
+        Some(secs) => s.serialize_str(&format!("{}ms", secs * 1000.0)),
+        None => s.serialize_none(),
+    }
+}
+
+/// Header names are case-insensitive: kept lower-cased, as policies name them.
+fn lowercase_keys<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    let headers = BTreeMap::<String, String>::deserialize(d)?;
+    Ok(headers
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect())
+}
+
+/// Every field a candidate in a file may have (`Candidate` flattens its
+/// metrics, so serde cannot refuse unknown ones itself).
+pub const CANDIDATE_FIELDS: &[&str] = &[
+    "type",
+    "model",
+    "endpoint",
+    "address",
+    "backend",
+    "provider",
+    "zone",
+    "node",
+    "labels",
+    "QueueDepth",
+    "RunningRequests",
+    "KVCacheUtilization",
+    "CachedPrefixTokens",
+    "PredictedTTFT",
+    "ObservedTTFT",
+    "ErrorRate",
+    "Cost",
+    "contextWindow",
+];
+
+/// Candidates from a file's JSON, refusing unknown fields (a typo such as
+/// `KVCacheUtilisation` would otherwise read as "no value").
+pub fn parse_candidates(value: serde_json::Value) -> Result<Vec<Candidate>, String> {
+    let items = value
+        .as_array()
+        .ok_or("candidates must be a list of maps")?;
+    for (i, item) in items.iter().enumerate() {
+        let fields = item
+            .as_object()
+            .ok_or_else(|| format!("candidates[{i}]: expected a map"))?;
+        // Checked here for the path: the flattened metrics lose it.
+        for field in ["PredictedTTFT", "ObservedTTFT"] {
+            if let Some(n) = fields.get(field).filter(|v| v.is_number()) {
+                return Err(format!(
+                    "candidates[{i}].{field}: write the duration {n} with its unit, as in policies: `{n}ms` or `{n}s`"
+                ));
+            }
+        }
+        if let Some(unknown) = fields
+            .keys()
+            .find(|k| !CANDIDATE_FIELDS.contains(&k.as_str()))
+        {
+            return Err(format!(
+                "candidates[{i}]: unknown field `{unknown}` (known: {})",
+                CANDIDATE_FIELDS.join(", ")
+            ));
+        }
+    }
+    serde_path_to_error::deserialize(value)
+        .map_err(|e| format!("candidates{}: {}", e.path(), e.inner()))
 }

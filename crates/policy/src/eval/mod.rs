@@ -9,7 +9,10 @@ mod trace;
 
 use rand::Rng;
 
-pub use input::{Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute};
+pub use input::{
+    CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute,
+    parse_candidates,
+};
 pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use trace::{CandidateDrop, NoTrace, RuleTrace, TierTrace, Trace, Tracer};
 
