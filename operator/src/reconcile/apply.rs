@@ -11,11 +11,9 @@
 use std::collections::BTreeSet;
 
 use kinference_api::POLICY_LABEL;
-use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
-};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
 use kube::core::NamespaceResourceScope;
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource};
 use serde::Serialize;
 
 use super::memory::{Memory, digest};
@@ -70,6 +68,26 @@ impl Applier<'_> {
     }
 }
 
+impl Applier<'_> {
+    /// Like [`Applier::apply`], for an object others write too (the EPP
+    /// status ConfigMap, whose data the EPP Pods patch): their writes move
+    /// its version without undoing anything of ours, so only a new desired
+    /// state or the object's absence leads to an apply.
+    pub async fn apply_shared<K>(&self, cached: &dyn MetaStore, obj: &K) -> Result<(), Error>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize + std::fmt::Debug,
+    {
+        let name = obj.meta().name.clone().unwrap_or_default();
+        let ns = obj.meta().namespace.clone().unwrap_or_default();
+        let key = format!("{}/{name}", K::kind(&()));
+        let exists = cached.get(&ns, &name).is_some();
+        if exists && self.memory.applied_digest(self.uid, &key) == Some(digest(obj)) {
+            return Ok(());
+        }
+        self.apply(cached, obj, false).await
+    }
+}
+
 /// Applies `obj` and returns the metadata the API server answered with;
 /// None when `optional` and the kind is not served.
 pub async fn apply<K>(
@@ -100,43 +118,6 @@ where
             e,
         )),
     }
-}
-
-/// `Kind namespace/name` of `obj` if an object of that name exists and is
-/// not controlled by the policy `uid`: someone else's, which a forced apply
-/// would take over (and a garbage collector later delete with the policy).
-pub async fn foreign<K>(client: &Client, obj: &K, uid: &str) -> Result<Option<String>, Error>
-where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let ns = obj.meta().namespace.clone().unwrap_or_default();
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
-    // A list by name, not a get: the operator's Role holds list (for its
-    // watches) on every kind it generates, but not get on all of them.
-    let params = ListParams::default().fields(&format!("metadata.name={name}"));
-    let existing = match api.list_metadata(&params).await {
-        Ok(list) => list.items,
-        // An optional kind the cluster does not serve: nothing to take over.
-        Err(e) if is_missing_kind(&e) => Vec::new(),
-        Err(e) => {
-            return Err(Error::kube(
-                Verb::List,
-                kind_name::<K>(),
-                format!("{ns}/{name}"),
-                e,
-            ));
-        }
-    };
-    Ok(existing
-        .iter()
-        .find(|o| {
-            !o.owner_references()
-                .iter()
-                .any(|r| r.controller == Some(true) && r.uid == uid)
-        })
-        .map(|_| format!("{} {ns}/{name}", kind_name::<K>())))
 }
 
 /// Deletes objects of kind `K` in `ns` labelled for `policy` and controlled
@@ -203,7 +184,7 @@ where
     Ok(deleted)
 }
 
-fn is_missing_kind(e: &kube::Error) -> bool {
+pub(super) fn is_missing_kind(e: &kube::Error) -> bool {
     // A 404 from a PATCH/LIST with no object named in the details means the
     // resource type itself is unknown (CRD not installed).
     matches!(e, kube::Error::Api(s) if s.code == 404 && s.details.as_ref().is_none_or(|d| d.kind.is_empty() || d.name.is_empty()))

@@ -98,6 +98,11 @@ impl Memory {
         });
     }
 
+    /// The digest of what this process last applied as `key`.
+    pub fn applied_digest(&self, uid: &str, key: &str) -> Option<u64> {
+        self.with(uid, |m| m.applied.get(key).map(|a| a.digest))
+    }
+
     /// Forgets an object deleted on purpose, or one whose apply failed.
     pub fn forget_object(&self, uid: &str, key: &str) {
         self.with(uid, |m| {

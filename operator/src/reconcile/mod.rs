@@ -5,6 +5,7 @@
 mod apply;
 mod memory;
 mod observe;
+mod taken;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -28,8 +29,9 @@ use crate::metrics::Metrics;
 use crate::resources::{self, EppSettings, FIELD_MANAGER, Names};
 use crate::status::{self, Acceptance, Observation};
 
-pub use apply::{Applier, apply, foreign, prune};
+pub use apply::{Applier, apply, prune};
 pub use memory::Memory;
+pub use taken::TakenNames;
 
 /// Timing of periodic reconciles. Everything else is driven by the watches.
 #[derive(Clone, Debug)]
@@ -64,6 +66,7 @@ pub struct Context {
     pub recorder: Recorder,
     pub caches: Caches,
     pub memory: Memory,
+    pub taken: TakenNames,
 }
 
 /// The controller's reconcile function.
@@ -243,39 +246,41 @@ async fn first_foreign(
     ctx: &Context,
     desired: &resources::Desired,
     uid: &str,
+    created: Timestamp,
 ) -> Result<Option<String>, Error> {
     let (d, c) = (desired, &ctx.caches);
     let checks = [
-        unowned(ctx, &c.service_accounts, &d.service_account, uid).await?,
-        unowned(ctx, &c.roles, &d.role, uid).await?,
-        unowned(ctx, &c.role_bindings, &d.role_binding, uid).await?,
-        unowned(ctx, &c.config_maps, &d.config_map, uid).await?,
-        unowned(ctx, &c.epp_reports, &d.epp_status_config_map, uid).await?,
-        unowned(ctx, &c.services, &d.epp_service, uid).await?,
-        unowned(ctx, &c.deployments, &d.deployment, uid).await?,
-        unowned(ctx, &c.inference_pools, &d.inference_pool, uid).await?,
+        unowned(ctx, &c.service_accounts, &d.service_account, uid, created).await?,
+        unowned(ctx, &c.roles, &d.role, uid, created).await?,
+        unowned(ctx, &c.role_bindings, &d.role_binding, uid, created).await?,
+        unowned(ctx, &c.config_maps, &d.config_map, uid, created).await?,
+        unowned(ctx, &c.epp_reports, &d.epp_status_config_map, uid, created).await?,
+        unowned(ctx, &c.services, &d.epp_service, uid, created).await?,
+        unowned(ctx, &c.deployments, &d.deployment, uid, created).await?,
+        unowned(ctx, &c.inference_pools, &d.inference_pool, uid, created).await?,
     ];
     if let Some(found) = checks.into_iter().flatten().next() {
         return Ok(Some(found));
     }
     for service in &d.provider_services {
-        if let Some(found) = unowned(ctx, &c.services, service, uid).await? {
+        if let Some(found) = unowned(ctx, &c.services, service, uid, created).await? {
             return Ok(Some(found));
         }
     }
     if let Some(route) = &d.http_route {
-        return unowned(ctx, &c.http_routes, route, uid).await;
+        return unowned(ctx, &c.http_routes, route, uid, created).await;
     }
     Ok(None)
 }
 
-/// [`foreign`], without asking when the cache already shows the object
-/// under this policy's control.
+/// [`TakenNames::foreign`], without asking when the cache already shows
+/// the object under this policy's control.
 async fn unowned<K>(
     ctx: &Context,
     cached: &dyn MetaStore,
     obj: &K,
     uid: &str,
+    created: Timestamp,
 ) -> Result<Option<String>, Error>
 where
     K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>,
@@ -291,7 +296,7 @@ where
     if ours {
         return Ok(None);
     }
-    foreign(&ctx.client, obj, uid).await
+    ctx.taken.foreign(&ctx.client, obj, uid, created).await
 }
 
 async fn apply_all(
@@ -308,8 +313,13 @@ async fn apply_all(
     // Until the policy's objects have been applied once, none of the
     // generated names should exist; one that does is someone else's.
     // Checked until then, not on every reconcile.
+    let created = policy
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or_else(Timestamp::now, |t| t.0);
     if never_applied(prev)
-        && let Some(object) = first_foreign(ctx, &desired, uid).await?
+        && let Some(object) = first_foreign(ctx, &desired, uid, created).await?
     {
         return Err(Error::Conflict(object));
     }
