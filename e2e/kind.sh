@@ -10,8 +10,11 @@
 #   5. install our CRD and the operator (kubectl apply -k kustomize/overlays/kind)
 #   6. deploy the scenario in e2e/kind/: simulator Pods, a Gateway, an
 #      InferencePolicy; wait until the policy is Ready
-#   7. send a chat completion through the gateway (port-forward) and check
-#      for a 200 (and the x-kinference-rule header, if the gateway passes it)
+#   7. send the request of e2e/kind/smoke-request.env through the gateway
+#      (port-forward) and check the answer that file expects: status, JSON
+#      object and model (and the rule in x-kinference-rule, if the gateway
+#      passes it). e2e/tests/real_scenario.rs sends the same request to the
+#      same manifests on a real node in CI.
 #   8. print `kubectl get inferencepolicy`
 #
 # Usage:
@@ -46,8 +49,11 @@ OPERATOR_NS="kinference-system"
 DEMO_NS="kinference-demo"
 GATEWAY="inference-gateway"
 POLICY="chat"
-MODEL="qwen-2.5"
 CTX="kind-${CLUSTER_NAME}"
+# SMOKE_PATH, SMOKE_BODY and the expected SMOKE_STATUS, SMOKE_RULE,
+# SMOKE_OBJECT, SMOKE_MODEL: shared with e2e/tests/real_scenario.rs.
+# shellcheck source=kind/smoke-request.env
+source "${SCRIPT_DIR}/kind/smoke-request.env"
 
 OPERATOR_IMAGE="kinference/operator:dev"
 EPP_IMAGE="kinference/epp:dev"
@@ -207,22 +213,26 @@ smoke_request() {
     sleep 1
   done
 
-  log "POST /v1/chat/completions (model ${MODEL}) through the gateway"
-  local body code=""
-  body="$(printf '{"model":"%s","messages":[{"role":"user","content":"Say hello from kind."}],"max_tokens":8}' "${MODEL}")"
+  log "POST ${SMOKE_PATH} (model ${SMOKE_MODEL}) through the gateway"
+  local code=""
   # The route and the EPP connection are programmed asynchronously: retry.
   for _ in $(seq 1 30); do
     code="$(curl -s -o "${WORK_DIR}/body" -D "${WORK_DIR}/headers" -w '%{http_code}' \
-      -H 'content-type: application/json' -d "${body}" \
-      "http://127.0.0.1:${LOCAL_PORT}/v1/chat/completions" || true)"
-    [[ "${code}" == "200" ]] && break
+      -H 'content-type: application/json' -d "${SMOKE_BODY}" \
+      "http://127.0.0.1:${LOCAL_PORT}${SMOKE_PATH}" || true)"
+    [[ "${code}" == "${SMOKE_STATUS}" ]] && break
     sleep 2
   done
   echo "HTTP ${code}"
   cat "${WORK_DIR}/headers"
   cat "${WORK_DIR}/body"
   echo
-  [[ "${code}" == "200" ]] || die "expected HTTP 200 from the gateway, got ${code:-no answer}"
+  [[ "${code}" == "${SMOKE_STATUS}" ]] \
+    || die "expected HTTP ${SMOKE_STATUS} from the gateway, got ${code:-no answer}"
+  local field
+  for field in "\"object\":\"${SMOKE_OBJECT}\"" "\"model\":\"${SMOKE_MODEL}\""; do
+    grep -qF "${field}" "${WORK_DIR}/body" || die "expected ${field} in the answer"
+  done
 
   local rule server
   rule="$(grep -i '^x-kinference-rule:' "${WORK_DIR}/headers" | tr -d '\r' || true)"
@@ -230,7 +240,8 @@ smoke_request() {
   [[ -n "${server}" ]] && echo "served by: ${server#*: }"
   if [[ -n "${rule}" ]]; then
     echo "rule: ${rule#*: }"
-    [[ "${rule#*: }" == "default" ]] || die "expected rule 'default' for a short prompt, got '${rule#*: }'"
+    [[ "${rule#*: }" == "${SMOKE_RULE}" ]] \
+      || die "expected rule '${SMOKE_RULE}' for a short prompt, got '${rule#*: }'"
   else
     # x-kinference-rule is set on the request towards the model server; the
     # client only sees it if the gateway or the model server echoes it back.

@@ -99,6 +99,8 @@ async fn main() -> Result<()> {
     );
     let binary = operator_binary(args.operator_bin.clone())?;
     warn_if_stale(&binary);
+    // Now: others may commit while the bench runs.
+    let revision = git_revision();
     let layout = Layout {
         policies: args.policies,
         namespaces: args.namespaces,
@@ -114,7 +116,7 @@ async fn main() -> Result<()> {
             runs.push(run(&args, &layout, &binary, epps).await?);
         }
     }
-    print_report(&layout, &binary, &runs);
+    print_report(&layout, &binary, &revision, &runs);
     Ok(())
 }
 
@@ -232,7 +234,7 @@ fn newest_file(dir: &Path) -> Option<(SystemTime, PathBuf)> {
 
 // ---------------------------------------------------------------- report
 
-fn print_report(layout: &Layout, binary: &Path, runs: &[Run]) {
+fn print_report(layout: &Layout, binary: &Path, revision: &str, runs: &[Run]) {
     let per_100 = |rate: f64| rate * 100.0 / layout.policies as f64;
     println!(
         "## Operator at scale: {} InferencePolicies in {} namespaces\n",
@@ -243,7 +245,7 @@ fn print_report(layout: &Layout, binary: &Path, runs: &[Run]) {
          Requests are the operator's own (audit log, user `{OPERATOR_USER}`, shipped RBAC), \
          watches counted apart; idle windows start {} s after convergence.\n",
         Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),
-        git_revision(),
+        revision,
         modified(binary)
             .and_then(|t| Timestamp::try_from(t).ok())
             .map_or_else(

@@ -146,8 +146,10 @@ pub struct StartOptions {
     /// ResponseStarted (watches) and ResponseComplete, one JSON event per
     /// line, never rotated, at [`TestCluster::audit_log_path`].
     pub audit_log: bool,
-    /// More kube-apiserver flags, after the defaults (a repeated flag wins).
-    /// Kept for [`TestCluster::start_apiserver`].
+    /// More kube-apiserver flags (`--name=value`). One named like a default
+    /// flag replaces it (list flags such as `--authorization-mode` would
+    /// otherwise be given twice); others are appended. Kept for
+    /// [`TestCluster::start_apiserver`].
     pub extra_apiserver_args: Vec<String>,
 }
 
@@ -784,13 +786,25 @@ fn spawn_apiserver(
         "--service-cluster-ip-range=10.96.0.0/16".to_owned(),
         "--profiling=false".to_owned(),
     ];
-    args.extend_from_slice(extra_args);
+    merge_flags(&mut args, extra_args);
     ManagedProcess::spawn(
         "kube-apiserver",
         &bins.kube_apiserver,
         &args,
         &dir.join("logs/kube-apiserver.log"),
     )
+}
+
+/// Add `extra` flags to `args`: one with the name of a flag already there
+/// (`--name` of `--name=value`) takes its place, the others go at the end.
+fn merge_flags(args: &mut Vec<String>, extra: &[String]) {
+    let name = |flag: &str| flag.split('=').next().unwrap_or_default().to_owned();
+    for flag in extra {
+        match args.iter_mut().find(|a| name(a) == name(flag)) {
+            Some(existing) => existing.clone_from(flag),
+            None => args.push(flag.clone()),
+        }
+    }
 }
 
 async fn wait_etcd_healthy(etcd: &mut ManagedProcess, port: u16) -> Result<()> {
@@ -1051,5 +1065,34 @@ impl Drop for ScratchDir {
         } else {
             let _ = fs::remove_dir_all(&self.path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_flags;
+
+    #[test]
+    fn an_extra_flag_replaces_the_default_of_the_same_name() {
+        let mut args = vec![
+            "--authorization-mode=RBAC".to_owned(),
+            "--disable-admission-plugins=ServiceAccount".to_owned(),
+        ];
+        merge_flags(
+            &mut args,
+            &[
+                "--authorization-mode=Node,RBAC".to_owned(),
+                "--disable-admission-plugins=".to_owned(),
+                "--client-ca-file=/ca.crt".to_owned(),
+            ],
+        );
+        assert_eq!(
+            args,
+            [
+                "--authorization-mode=Node,RBAC",
+                "--disable-admission-plugins=",
+                "--client-ca-file=/ca.crt",
+            ]
+        );
     }
 }

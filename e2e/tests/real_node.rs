@@ -1,8 +1,10 @@
 //! Smoke test of the real-node tier (`kinference_e2e::node`): a one-node
 //! cluster whose Deployment goes through the real controller-manager,
 //! scheduler, kubelet, containerd, runc and CNI bridge, reached over HTTP at
-//! its Pod IP and its hostPort, garbage-collected for real, and a teardown
-//! that leaves nothing on the host. Needs root (skipped otherwise).
+//! its Pod IP, its hostPort and a Service's ClusterIP (kube-proxy); a Pod
+//! that calls kube-apiserver with its ServiceAccount token through the
+//! `kubernetes` Service; garbage collection for real, and a teardown that
+//! leaves nothing on the host. Needs root (skipped otherwise).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -11,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use kinference_e2e::cluster::{K8S_VERSION, KEEP_DIR_ENV};
 use kinference_e2e::node::{
     self, BRIDGE, ImageConfig, LayerFile, NODE_NAME, RealCluster, binary_with_libraries,
 };
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -100,6 +102,22 @@ async fn exercise(cluster: &RealCluster) -> Result<()> {
         body.contains(&pod_name),
         "unexpected reply on the hostPort: {body:?}"
     );
+    // …and through a Service's ClusterIP, which only kube-proxy routes
+    // (until it does, the ClusterIP leaves by the default route, where this
+    // machine's egress proxy may answer: wait for the Pod's own reply).
+    let cluster_ip = create_service(&client).await?;
+    let deadline = Instant::now() + POD_TIMEOUT;
+    loop {
+        let reply = http_get(&format!("{cluster_ip}:80")).await;
+        match reply {
+            Ok(body) if body.contains(&pod_name) => break,
+            _ if Instant::now() > deadline => {
+                bail!("the ClusterIP {cluster_ip} answered {reply:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(300)).await,
+        }
+    }
+    check_in_pod_api_client(&pods, &pod_name).await?;
 
     // The real garbage collector removes the ReplicaSet and its Pod.
     deployments
@@ -133,6 +151,82 @@ async fn exercise(cluster: &RealCluster) -> Result<()> {
     }))?;
     pods.create(&PostParams::default(), &bystander).await?;
     wait_pod_ready(&pods, "app=bystander").await?;
+    Ok(())
+}
+
+/// A ClusterIP Service `hello` (port 80 → the Pods' 8080); its ClusterIP.
+async fn create_service(client: &kube::Client) -> Result<String> {
+    let service: Service = serde_json::from_value(json!({
+        "metadata": { "name": "hello" },
+        "spec": {
+            "selector": { "app": "hello" },
+            "ports": [{ "port": 80, "targetPort": 8080 }],
+        },
+    }))?;
+    let service = Api::<Service>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &service)
+        .await?;
+    service
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the Service has no ClusterIP")
+}
+
+/// ServiceAccount admission gave the Pod a projected token, and its init
+/// container (this test binary) used it to call kube-apiserver through the
+/// `kubernetes` Service; its log, read through the kubelet, says so.
+async fn check_in_pod_api_client(pods: &Api<Pod>, pod_name: &str) -> Result<()> {
+    let pod = pods.get(pod_name).await?;
+    let spec = pod.spec.context("Pod without spec")?;
+    ensure!(
+        spec.service_account_name.as_deref() == Some("default"),
+        "no ServiceAccount was admitted: {:?}",
+        spec.service_account_name
+    );
+    let token_volume = spec
+        .volumes
+        .unwrap_or_default()
+        .iter()
+        .any(|v| v.name.starts_with("kube-api-access-") && v.projected.is_some());
+    ensure!(token_volume, "the Pod has no projected token volume");
+    let params = LogParams {
+        container: Some("glibc-binary".into()),
+        ..LogParams::default()
+    };
+    let log = pods.logs(pod_name, &params).await?;
+    ensure!(
+        log.contains(&format!(
+            "in-pod: {K8S_VERSION} as system:serviceaccount:{NAMESPACE}:default"
+        )) && log.contains("1 passed"),
+        "the init container did not reach the API server:\n{log}"
+    );
+    Ok(())
+}
+
+/// Run by the `e2e-self` image inside the Pod (ignored on the host): an
+/// in-cluster client (KUBERNETES_SERVICE_HOST/PORT, the projected token and
+/// CA) reads the server version and who it is authenticated as.
+#[tokio::test]
+#[ignore = "runs inside the real-node smoke test's Pod"]
+async fn in_pod_the_service_account_reaches_the_api_server() -> Result<()> {
+    let client = kube::Client::try_from(kube::Config::incluster()?)?;
+    let version = client.apiserver_version().await?;
+    let review: k8s_openapi::api::authentication::v1::SelfSubjectReview = client
+        .request(
+            http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&json!({
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "SelfSubjectReview",
+                }))?)?,
+        )
+        .await?;
+    let user = review
+        .status
+        .and_then(|s| s.user_info)
+        .and_then(|u| u.username)
+        .unwrap_or_default();
+    println!("in-pod: {} as {user}", version.git_version);
     Ok(())
 }
 
@@ -187,8 +281,11 @@ fn hello_deployment(host_port: u16) -> Result<Deployment> {
                         "name": "glibc-binary",
                         "image": SELF_IMAGE,
                         "imagePullPolicy": "Never",
-                        // libtest lists this binary's tests and exits 0.
-                        "args": ["--list"],
+                        // This binary's in-Pod test: a real API client.
+                        "args": [
+                            "--ignored", "--exact", "--nocapture",
+                            "in_pod_the_service_account_reaches_the_api_server",
+                        ],
                     }],
                     "containers": [{
                         "name": "hello",

@@ -4,8 +4,8 @@
 #
 #   - containerd, runc, the CNI plugins (/usr/lib/cni) and iptables: Debian
 #     packages, apt-installed when missing (needs root; silent when present);
-#   - kube-apiserver, etcd, kubelet, kube-controller-manager and
-#     kube-scheduler at the pinned versions of install-k8s.sh, which builds
+#   - kube-apiserver, etcd, kubelet, kube-controller-manager, kube-scheduler
+#     and kube-proxy at the pinned versions of install-k8s.sh, which builds
 #     them (KINFERENCE_K8S_EXTRA_COMPONENTS) from the Go module proxy with
 #     one wrapper module, the same Go caches and the same lock (lib-k8s.sh);
 #   - kinference-pause: a tiny static Go program used as the pod sandbox
@@ -13,8 +13,8 @@
 #
 # Output contract: the LAST line on stdout is a directory holding symlinks
 # to every binary (kube-apiserver, etcd, kubelet, kube-controller-manager,
-# kube-scheduler, kinference-pause, containerd, containerd-shim-runc-v2,
-# ctr, runc), e.g. /root/.cache/kinference/bin/node-k8s-v1.36.3-etcd-v3.6.16.
+# kube-scheduler, kube-proxy, kinference-pause, containerd,
+# containerd-shim-runc-v2, ctr, runc), e.g. /root/.cache/kinference/bin/node-k8s-v1.36.3-etcd-v3.6.16.
 # CNI plugins are not linked: they are in /usr/lib/cni. Progress goes to stderr;
 # a warm run prints only the directory.
 #
@@ -27,7 +27,7 @@ LOG_TAG=install-node
 source "$(dirname "${BASH_SOURCE[0]}")/lib-k8s.sh"
 trap 'log "FAILED (exit $?) at line ${LINENO}: ${BASH_COMMAND}"' ERR
 
-NODE_COMPONENTS=(kubelet kube-controller-manager kube-scheduler)
+NODE_COMPONENTS=(kubelet kube-controller-manager kube-scheduler kube-proxy kubectl)
 K8S_COMPONENTS=(kube-apiserver etcd "${NODE_COMPONENTS[@]}")
 SYSTEM_BINARIES=(containerd containerd-shim-runc-v2 ctr runc)
 CNI_DIR=/usr/lib/cni

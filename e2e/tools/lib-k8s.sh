@@ -4,8 +4,9 @@
 #
 # Every Go build of every script uses the same GOPATH/GOMODCACHE/GOCACHE under
 # $CACHE and is serialised by the same flock ($CACHE/install-k8s.lock), so
-# kube-apiserver, kubelet, kube-controller-manager and kube-scheduler share
-# their compiled packages and a second build never races the first.
+# kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and
+# kube-proxy share their compiled packages and a second build never races the
+# first.
 
 # The pinned versions live in install-k8s.sh (K8S_VERSION, ETCD_VERSION);
 # only the functions that build or locate Kubernetes components use them.
@@ -199,7 +200,13 @@ build_kubernetes_commands() {
 
   local version_out
   for name in "${missing[@]}"; do
-    version_out="$("${dir}/out/${name}" --version)"
+    if [[ "${name}" == kubectl ]]; then
+      # kubectl has no --version: its client version, in the same words.
+      version_out="Kubernetes $("${dir}/out/${name}" version --client -o json \
+        | sed -n 's/.*"gitVersion": "\([^"]*\)".*/\1/p' | head -n 1)"
+    else
+      version_out="$("${dir}/out/${name}" --version)"
+    fi
     if [[ "${version_out}" != "Kubernetes ${K8S_VERSION}" ]]; then
       log "unexpected ${name} --version output: ${version_out}"
       return 1

@@ -26,7 +26,8 @@ pub struct LayerFile {
     /// directories are added automatically (mode 0755).
     pub path: String,
     pub contents: FileContents,
-    /// Permission bits, e.g. `0o755`; ignored for symlinks.
+    /// Permission bits, e.g. `0o755` or `0o1777` (a sticky `/tmp`);
+    /// ignored for symlinks.
     pub mode: u32,
 }
 
@@ -272,7 +273,7 @@ fn layer_tar(files: &[LayerFile]) -> Result<Vec<u8>> {
                 tar.file(rel, &bytes, file.mode)?;
             }
             FileContents::Symlink(target) => tar.symlink(rel, target)?,
-            FileContents::Directory => tar.directory(&format!("{rel}/"))?,
+            FileContents::Directory => tar.directory_with_mode(&format!("{rel}/"), file.mode)?,
         }
     }
     Ok(tar.finish())
@@ -308,7 +309,11 @@ impl TarWriter {
     }
 
     fn directory(&mut self, path: &str) -> Result<()> {
-        self.header(path, b'5', 0o755, 0, "")
+        self.directory_with_mode(path, 0o755)
+    }
+
+    fn directory_with_mode(&mut self, path: &str, mode: u32) -> Result<()> {
+        self.header(path, b'5', mode, 0, "")
     }
 
     fn symlink(&mut self, path: &str, target: &str) -> Result<()> {

@@ -1,7 +1,9 @@
 //! A one-node Kubernetes cluster with real Pods: etcd + kube-apiserver (a
 //! [`TestCluster`]), kube-controller-manager, kube-scheduler, containerd
-//! with runc, a CNI bridge network, and a kubelet registered as a Node.
-//! Needs root; see e2e/README.md ("Real node") for versions and settings.
+//! with runc, a CNI bridge network, a kubelet registered as a Node, and
+//! kube-proxy. Pods get ServiceAccount tokens and reach kube-apiserver
+//! through the `kubernetes` Service. Needs root; see e2e/README.md ("Real
+//! node") for versions and settings.
 //!
 //! ```ignore
 //! let cluster = RealCluster::start().await?;        // Node Ready
@@ -22,10 +24,12 @@ mod cni;
 mod containerd;
 mod control_plane;
 pub mod images;
+mod kube_proxy;
 mod kubelet;
 mod pki;
 mod process;
 mod teardown;
+pub mod workspace_images;
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -33,7 +37,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -63,6 +68,7 @@ pub const PAUSE_BINARY_IN_IMAGE: &str = "/kinference-pause";
 const LOCK_TIMEOUT: Duration = Duration::from_secs(900);
 const NODE_READY_TIMEOUT: Duration = Duration::from_secs(120);
 const CONTROLLERS_TIMEOUT: Duration = Duration::from_secs(60);
+const SERVICE_ROUTES_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// Paths of the node's binaries.
@@ -91,6 +97,7 @@ impl NodeBinaries {
             "kubelet",
             "kube-controller-manager",
             "kube-scheduler",
+            "kube-proxy",
             "kinference-pause",
             "containerd",
             "ctr",
@@ -156,6 +163,7 @@ pub fn running_as_root() -> bool {
 /// The node's components, in the order they are stopped.
 #[derive(Default)]
 struct Components {
+    kube_proxy: Option<NodeProcess>,
     kubelet: Option<NodeProcess>,
     scheduler: Option<NodeProcess>,
     controller_manager: Option<NodeProcess>,
@@ -222,7 +230,7 @@ impl RealCluster {
         let node_ip = kubelet::host_ip()?;
         let pki = NodePki::create(&dir.join("pki"), NODE_NAME, node_ip)?;
 
-        let control_plane = match start_control_plane(&pki).await {
+        let control_plane = match start_control_plane(&pki, node_ip).await {
             Ok(control_plane) => control_plane,
             Err(e) => {
                 let problems = host.undo();
@@ -246,6 +254,7 @@ impl RealCluster {
         cluster.import_pause_image()?;
         cluster.start_kubelet(&pki, &paths, &cgroup_name)?;
         cluster.start_controllers(&pki)?;
+        cluster.start_kube_proxy(&pki)?;
         cluster.wait_ready().await?;
         Ok(cluster)
     }
@@ -288,7 +297,7 @@ impl RealCluster {
     }
 
     /// Path of a component's log: `kubelet`, `containerd`,
-    /// `kube-controller-manager`, `kube-scheduler`.
+    /// `kube-controller-manager`, `kube-scheduler`, `kube-proxy`.
     pub fn log_path(&self, component: &str) -> PathBuf {
         self.dir.join("logs").join(format!("{component}.log"))
     }
@@ -440,6 +449,25 @@ impl RealCluster {
         Ok(())
     }
 
+    fn start_kube_proxy(&mut self, pki: &NodePki) -> Result<()> {
+        let dir = self.dir.join("kube-proxy");
+        std::fs::create_dir_all(&dir)?;
+        let kubeconfig = dir.join("kubeconfig");
+        self.write_component_kubeconfig(&kubeconfig, "system:kube-proxy", &pki.kube_proxy)?;
+        let process = kube_proxy::start(&kube_proxy::KubeProxySettings {
+            bin: &self.bins.path("kube-proxy"),
+            dir: &dir,
+            kubeconfig: &kubeconfig,
+            node_name: NODE_NAME,
+            cluster_cidr: POD_SUBNET,
+            healthz_port: free_port()?,
+            metrics_port: free_port()?,
+            log: &self.log_path("kube-proxy"),
+        })?;
+        self.components.kube_proxy = Some(process);
+        Ok(())
+    }
+
     fn write_component_kubeconfig(
         &self,
         path: &Path,
@@ -458,11 +486,12 @@ impl RealCluster {
 
     async fn wait_ready(&mut self) -> Result<()> {
         let components = &mut self.components;
-        let (Some(kubelet), Some(containerd), Some(cm), Some(scheduler)) = (
+        let (Some(kubelet), Some(containerd), Some(cm), Some(scheduler), Some(kube_proxy)) = (
             components.kubelet.as_mut(),
             components.containerd.as_mut(),
             components.controller_manager.as_mut(),
             components.scheduler.as_mut(),
+            components.kube_proxy.as_mut(),
         ) else {
             bail!("components not started");
         };
@@ -475,7 +504,17 @@ impl RealCluster {
         )
         .await?;
         control_plane::wait_controllers_running(&self.client, cm, CONTROLLERS_TIMEOUT).await?;
-        scheduler.check_alive()
+        scheduler.check_alive()?;
+        // What Pods dial for the API (KUBERNETES_SERVICE_HOST/PORT).
+        let kubernetes = kubernetes_service_address(&self.client).await?;
+        let via_service = admin_client_at(&self.admin_kubeconfig, kubernetes).await?;
+        kube_proxy::wait_service_routes(
+            kube_proxy,
+            kubernetes,
+            &via_service,
+            SERVICE_ROUTES_TIMEOUT,
+        )
+        .await
     }
 
     /// Stop the components, remove containers, undo host changes; returns
@@ -484,6 +523,7 @@ impl RealCluster {
         let mut problems = Vec::new();
         // Nothing may restart containers while they are removed.
         for mut process in [
+            self.components.kube_proxy.take(),
             self.components.kubelet.take(),
             self.components.scheduler.take(),
             self.components.controller_manager.take(),
@@ -521,45 +561,121 @@ impl Drop for RealCluster {
     }
 }
 
-/// etcd + kube-apiserver, trusting the node CA for client certificates and
-/// able to reach the kubelet, and the kubelet's RBAC binding.
-async fn start_control_plane(pki: &NodePki) -> Result<TestCluster> {
+/// etcd + kube-apiserver, trusting the node CA for client certificates,
+/// able to reach the kubelet, and reachable by Pods; see [`apiserver_flags`].
+async fn start_control_plane(pki: &NodePki, node_ip: IpAddr) -> Result<TestCluster> {
     let options = StartOptions {
-        extra_apiserver_args: vec![
-            // Components authenticate with certificates of the node CA.
-            format!("--client-ca-file={}", pki.ca_cert.display()),
-            format!(
-                "--kubelet-client-certificate={}",
-                pki.apiserver_kubelet_client.cert.display()
-            ),
-            format!(
-                "--kubelet-client-key={}",
-                pki.apiserver_kubelet_client.key.display()
-            ),
-            format!("--kubelet-certificate-authority={}", pki.ca_cert.display()),
-            "--kubelet-preferred-address-types=InternalIP".to_owned(),
-        ],
+        extra_apiserver_args: apiserver_flags(pki),
         ..StartOptions::default()
     };
     let control_plane = TestCluster::start_with(options)
         .await
         .context("starting etcd + kube-apiserver")?;
-    // The Node authorizer is not enabled (TestCluster runs RBAC only), so
-    // the kubelet gets the node role through a binding.
-    let binding: ClusterRoleBinding = serde_json::from_value(json!({
-        "metadata": { "name": "kinference-e2e:node" },
-        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:node" },
-        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": format!("system:node:{NODE_NAME}") }],
+    publish_apiserver_endpoint(&control_plane, node_ip).await?;
+    Ok(control_plane)
+}
+
+/// kube-apiserver flags on top of (or replacing) the TestCluster's.
+fn apiserver_flags(pki: &NodePki) -> Vec<String> {
+    vec![
+        // Components authenticate with certificates of the node CA.
+        format!("--client-ca-file={}", pki.ca_cert.display()),
+        format!(
+            "--kubelet-client-certificate={}",
+            pki.apiserver_kubelet_client.cert.display()
+        ),
+        format!(
+            "--kubelet-client-key={}",
+            pki.apiserver_kubelet_client.key.display()
+        ),
+        format!("--kubelet-certificate-authority={}", pki.ca_cert.display()),
+        "--kubelet-preferred-address-types=InternalIP".to_owned(),
+        // Pods reach kube-apiserver at the node's address (through the
+        // `kubernetes` Service). The advertised address stays 127.0.0.1: it
+        // is in the self-signed serving certificate the TestCluster's
+        // clients verify, as is the Service's ClusterIP that Pods dial.
+        "--bind-address=0.0.0.0".to_owned(),
+        // A controller-manager makes the `default` ServiceAccounts now, so
+        // ServiceAccount admission can run: Pods get projected tokens.
+        "--disable-admission-plugins=".to_owned(),
+        // As in kubeadm clusters: the kubelet is authorized as a node, and
+        // only for its own Pods' objects.
+        "--authorization-mode=Node,RBAC".to_owned(),
+        "--enable-admission-plugins=NodeRestriction".to_owned(),
+    ]
+}
+
+/// Point the `kubernetes` Service at `node_ip`:<secure port>. The
+/// TestCluster runs `--endpoint-reconciler-type=none` (its advertised
+/// address is loopback, which Pods cannot reach), so the harness writes the
+/// EndpointSlice kube-apiserver's reconciler would.
+async fn publish_apiserver_endpoint(control_plane: &TestCluster, node_ip: IpAddr) -> Result<()> {
+    let server = control_plane.server_url();
+    let port: u16 = server
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no port in {server}"))?;
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {
+            "name": "kubernetes",
+            "namespace": "default",
+            "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "kinference-e2e",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{ "addresses": [node_ip.to_string()], "conditions": { "ready": true } }],
+        "ports": [{ "name": "https", "port": port, "protocol": "TCP" }],
     }))?;
-    Api::<ClusterRoleBinding>::all(control_plane.client())
+    Api::<EndpointSlice>::namespaced(control_plane.client(), "default")
         .patch(
-            "kinference-e2e:node",
+            "kubernetes",
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&binding),
+            &Patch::Apply(&slice),
         )
         .await
-        .context("binding the system:node ClusterRole")?;
-    Ok(control_plane)
+        .context("writing the EndpointSlice of the kubernetes Service")?;
+    Ok(())
+}
+
+/// ClusterIP:port of the `kubernetes` Service (made by kube-apiserver).
+async fn kubernetes_service_address(client: &Client) -> Result<std::net::SocketAddr> {
+    let deadline = std::time::Instant::now() + CONTROLLERS_TIMEOUT;
+    loop {
+        let service = Api::<Service>::namespaced(client.clone(), "default")
+            .get_opt("kubernetes")
+            .await?;
+        let spec = service.and_then(|s| s.spec);
+        let ip = spec
+            .as_ref()
+            .and_then(|s| s.cluster_ip.as_deref()?.parse().ok());
+        let port = spec
+            .as_ref()
+            .and_then(|s| Some(s.ports.as_ref()?.first()?.port));
+        if let (Some(ip), Some(port)) = (ip, port) {
+            return Ok(std::net::SocketAddr::new(ip, u16::try_from(port)?));
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "kube-apiserver made no kubernetes Service"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The admin client of `kubeconfig`, talking to `address` instead (the
+/// `kubernetes` Service's ClusterIP is in kube-apiserver's certificate).
+async fn admin_client_at(kubeconfig: &Path, address: std::net::SocketAddr) -> Result<Client> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(kubeconfig)?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.cluster_url = format!("https://{address}").parse()?;
+    Ok(Client::try_from(config)?)
 }
 
 /// A free loopback TCP port (the kubelet's and controllers' serving ports).

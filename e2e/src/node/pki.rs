@@ -4,7 +4,8 @@
 //!
 //! - a client certificate per component, whose subject is the identity the
 //!   upstream RBAC bootstrap policy expects (`system:node:<name>` in
-//!   `system:nodes`, `system:kube-controller-manager`, `system:kube-scheduler`),
+//!   `system:nodes`, `system:kube-controller-manager`, `system:kube-scheduler`,
+//!   `system:kube-proxy`),
 //! - kube-apiserver's client certificate for the kubelet API (logs, exec),
 //! - the kubelet's serving certificate (for the node's IP and name), which
 //!   kube-apiserver verifies (`--kubelet-certificate-authority`).
@@ -35,6 +36,7 @@ pub(crate) struct NodePki {
     pub kubelet_serving: CertFiles,
     pub controller_manager: CertFiles,
     pub scheduler: CertFiles,
+    pub kube_proxy: CertFiles,
     pub apiserver_kubelet_client: CertFiles,
 }
 
@@ -70,6 +72,8 @@ impl NodePki {
         let controller_manager =
             client("controller-manager", "system:kube-controller-manager", None)?;
         let scheduler = client("scheduler", "system:kube-scheduler", None)?;
+        // Bound to ClusterRole system:node-proxier by the bootstrap policy.
+        let kube_proxy = client("kube-proxy", "system:kube-proxy", None)?;
         let apiserver_kubelet_client = client(
             "apiserver-kubelet-client",
             "kube-apiserver-kubelet-client",
@@ -90,6 +94,7 @@ impl NodePki {
             kubelet_serving,
             controller_manager,
             scheduler,
+            kube_proxy,
             apiserver_kubelet_client,
         })
     }
