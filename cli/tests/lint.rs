@@ -45,7 +45,11 @@ fn warnings_name_the_line_and_a_fix_and_fail_only_when_denied() {
     assert!(!denied.status.success());
 
     // Fixed: clean either way.
-    std::fs::write(&file, SHADOWED.replace("tenant: alice }", "tenant: carol }")).unwrap();
+    std::fs::write(
+        &file,
+        SHADOWED.replace("tenant: alice }", "tenant: carol }"),
+    )
+    .unwrap();
     let fixed = kinference()
         .args(["lint", "--deny-warnings"])
         .arg(&file)
