@@ -15,5 +15,8 @@
 
 pub mod envoy;
 pub mod extproc_client;
+pub mod http_client;
 pub mod load;
+pub mod proc_status;
 pub mod prom_reference;
+pub mod workload;

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# Build and cache the pinned peers of the side-by-side benchmark (issue 11):
+#
+#   gie-epp    sigs.k8s.io/gateway-api-inference-extension ./cmd/epp   (the reference EPP)
+#   llmd-epp   github.com/llm-d/llm-d-inference-scheduler ./cmd/epp    (the llm-d scheduler)
+#   llmd-sim   github.com/llm-d/llm-d-inference-sim ./cmd/llm-d-inference-sim
+#
+# (llmd-epp also keeps the module's deploy/config/epp-config.yaml, the
+# profile llm-d ships, linked as llmd-epp-config.yaml.)
+#
+# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim]...  (default: all)
+#
+# Each binary is cached by version under
+#
+#   ${KINFERENCE_CACHE:-$HOME/.cache/kinference}/peers/<name>-<version>/<name>
+#
+# and a directory holding symlinks to the requested ones is printed as the
+# LAST line on stdout (progress goes to stderr), like e2e/tools/install-k8s.sh.
+# A warm cache does no Go work. Concurrent callers are serialised with flock.
+#
+# Why not `go install module@version`: the module proxy refuses the version
+# list of gateway-api-inference-extension (403), so `go install` fails. What
+# works is `go mod download -json module@version`, a writable copy of the
+# module's Dir, and `go build -mod=mod` inside it. The module and build
+# caches are the project's (GOMODCACHE/GOCACHE under the cache root).
+#
+# Environment:
+#   KINFERENCE_CACHE   cache root (default $HOME/.cache/kinference)
+#   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
+set -euo pipefail
+
+# The pins. v1.5.0 is the last Inference Extension release with the full EPP.
+GIE_VERSION=v1.5.0
+LLMD_EPP_VERSION=v0.7.1
+# llm-d-inference-scheduler v0.7.1 requires llm-d-kv-cache v0.7.1, which the
+# proxy refuses; v0.8.1 is served and builds.
+LLMD_KV_CACHE_VERSION=v0.8.1
+LLMD_SIM_VERSION=v0.10.2
+
+CACHE="${KINFERENCE_CACHE:-${HOME}/.cache/kinference}"
+PEERS="${CACHE}/peers"
+LOG_TAG=install-peers
+log() { printf '[%s] %s\n' "${LOG_TAG}" "$*" >&2; }
+trap 'log "FAILED (exit $?) at line ${LINENO}: ${BASH_COMMAND}"' ERR
+
+version_of() {
+  case "$1" in
+    gie-epp) echo "${GIE_VERSION}" ;;
+    llmd-epp) echo "${LLMD_EPP_VERSION}" ;;
+    llmd-sim) echo "${LLMD_SIM_VERSION}" ;;
+    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim)"; return 1 ;;
+  esac
+}
+
+peer_path() { printf '%s/%s-%s/%s\n' "${PEERS}" "$1" "$(version_of "$1")" "$1"; }
+
+llmd_config_path() { printf '%s/epp-config.yaml\n' "$(dirname "$(peer_path llmd-epp)")"; }
+
+# True when every named peer is cached (llmd-epp with its shipped config).
+have_peers() {
+  local name
+  for name in "$@"; do
+    [[ -x "$(peer_path "${name}")" ]] || return 1
+    [[ "${name}" != llmd-epp || -f "$(llmd_config_path)" ]] || return 1
+  done
+}
+
+find_go() {
+  if [[ -n "${GO:-}" ]]; then :
+  elif command -v go >/dev/null 2>&1; then GO="$(command -v go)"
+  elif [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go
+  else log "no Go toolchain found (set GO=/path/to/go)"; return 1
+  fi
+}
+
+# The project's Go caches, so that peers and Kubernetes share downloaded
+# modules and compiled packages.
+setup_go_env() {
+  find_go
+  export GOPATH="${CACHE}/go"
+  export GOMODCACHE="${CACHE}/go/pkg/mod"
+  export GOCACHE="${CACHE}/go-build"
+  export GOFLAGS="-mod=mod -buildvcs=false"
+  export GOTOOLCHAIN=local
+  export GOWORK=off
+  log "using $("${GO}" version)"
+}
+
+# Download <module>@<version> and print its module-cache directory.
+module_dir() {
+  local json dir
+  json="$(cd "${CACHE}" && "${GO}" mod download -json "$1@$2")"
+  dir="$(printf '%s\n' "${json}" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
+  if [[ -z "${dir}" || ! -d "${dir}" ]]; then
+    log "could not download $1@$2:"
+    printf '%s\n' "${json}" >&2
+    return 1
+  fi
+  printf '%s\n' "${dir}"
+}
+
+# A fresh writable copy of <module>@<version> under $CACHE/build (the module
+# cache is read-only and `go build -mod=mod` may rewrite go.mod/go.sum).
+writable_copy() {
+  local src dest="${CACHE}/build/peer-$3"
+  src="$(module_dir "$1" "$2")"
+  rm -rf "${dest}"
+  mkdir -p "$(dirname "${dest}")"
+  cp -r "${src}" "${dest}"
+  chmod -R u+w "${dest}"
+  printf '%s\n' "${dest}"
+}
+
+# go build <package> in <dir> into the cache slot of <name>.
+build_into_cache() {
+  local name="$1" dir="$2" pkg="$3" dest start
+  dest="$(peer_path "${name}")"
+  start=$(date +%s)
+  log "${name}: building ${pkg} (cold builds take minutes)"
+  mkdir -p "$(dirname "${dest}")"
+  (cd "${dir}" && "${GO}" build -trimpath -p 2 -ldflags "-s -w" -o "${dest}.tmp" "${pkg}")
+  "${dest}.tmp" --help >/dev/null 2>&1 || [[ $? -le 2 ]] # runs at all (flag help exits 0 or 2)
+  mv -f "${dest}.tmp" "${dest}"
+  log "${name}: built in $(($(date +%s) - start))s -> ${dest}"
+}
+
+build_gie_epp() {
+  local dir
+  dir="$(writable_copy sigs.k8s.io/gateway-api-inference-extension "${GIE_VERSION}" "gie-${GIE_VERSION}")"
+  build_into_cache gie-epp "${dir}" ./cmd/epp
+}
+
+build_llmd_epp() {
+  local dir
+  dir="$(writable_copy github.com/llm-d/llm-d-inference-scheduler "${LLMD_EPP_VERSION}" "llmd-epp-${LLMD_EPP_VERSION}")"
+  # The profile llm-d ships for a pool without P/D, kept beside the binary.
+  mkdir -p "$(dirname "$(llmd_config_path)")"
+  cp "${dir}/deploy/config/epp-config.yaml" "$(llmd_config_path)"
+  [[ -x "$(peer_path llmd-epp)" ]] && return 0
+  (cd "${dir}" && "${GO}" mod edit -require "github.com/llm-d/llm-d-kv-cache@${LLMD_KV_CACHE_VERSION}")
+  build_into_cache llmd-epp "${dir}" ./cmd/epp
+}
+
+build_llmd_sim() {
+  local dir
+  dir="$(writable_copy github.com/llm-d/llm-d-inference-sim "${LLMD_SIM_VERSION}" "llmd-sim-${LLMD_SIM_VERSION}")"
+  build_into_cache llmd-sim "${dir}" ./cmd/llm-d-inference-sim
+}
+
+main() {
+  local wanted=("$@") name
+  [[ ${#wanted[@]} -gt 0 && "${wanted[0]}" != all ]] || wanted=(gie-epp llmd-epp llmd-sim)
+  local combined="${PEERS}/set"
+  for name in "${wanted[@]}"; do
+    version_of "${name}" >/dev/null
+    combined+="-${name}-$(version_of "${name}")"
+  done
+
+  if ! have_peers "${wanted[@]}"; then
+    mkdir -p "${PEERS}"
+    exec 9>"${PEERS}/install.lock"
+    if ! flock -n 9; then
+      log "another install is running; waiting for ${PEERS}/install.lock"
+      flock 9
+    fi
+    setup_go_env
+    for name in "${wanted[@]}"; do
+      if have_peers "${name}"; then
+        log "${name}: cached at $(peer_path "${name}")"
+        continue
+      fi
+      case "${name}" in
+        gie-epp) build_gie_epp ;;
+        llmd-epp) build_llmd_epp ;;
+        llmd-sim) build_llmd_sim ;;
+      esac
+    done
+  fi
+
+  mkdir -p "${combined}"
+  for name in "${wanted[@]}"; do ln -sfn "$(peer_path "${name}")" "${combined}/${name}"; done
+  if [[ " ${wanted[*]} " == *" llmd-epp "* ]]; then
+    ln -sfn "$(llmd_config_path)" "${combined}/llmd-epp-config.yaml"
+  fi
+  printf '%s\n' "${combined}"
+}
+
+main "$@"
