@@ -87,7 +87,7 @@ impl Binaries {
                 if let Some(dir) = std::env::var_os(BIN_DIR_ENV).filter(|d| !d.is_empty()) {
                     return Ok(PathBuf::from(dir));
                 }
-                run_install_script().await
+                run_install_script(&install_script_path(), BIN_DIR_ENV).await
             })
             .await?;
         Self::in_dir(dir)
@@ -110,11 +110,12 @@ pub fn project_crds_dir() -> PathBuf {
     e2e.parent().unwrap_or(e2e).join("crds")
 }
 
-async fn run_install_script() -> Result<PathBuf> {
-    let script = install_script_path();
+/// Runs an install script of `tools/` and returns the directory it prints
+/// last; `skip_env` names the variable that skips it.
+pub(crate) async fn run_install_script(script: &Path, skip_env: &str) -> Result<PathBuf> {
     // stderr is inherited so a (slow, one-off) cold build shows progress.
     let out = tokio::process::Command::new("bash")
-        .arg(&script)
+        .arg(script)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -124,7 +125,7 @@ async fn run_install_script() -> Result<PathBuf> {
         .with_context(|| format!("running {}", script.display()))?;
     ensure!(
         out.status.success(),
-        "{} failed with {} (set {BIN_DIR_ENV} to use prebuilt binaries)",
+        "{} failed with {} (set {skip_env} to use prebuilt binaries)",
         script.display(),
         out.status
     );

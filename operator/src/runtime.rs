@@ -363,18 +363,18 @@ impl Watches {
         let policy_config_maps =
             format!("{POLICY_LABEL},{COMPONENT_LABEL}!={EPP_STATUS_COMPONENT}");
         Self {
-            service_accounts: watched_meta(client, ns, &ours),
-            roles: watched_meta(client, ns, &ours),
-            role_bindings: watched_meta(client, ns, &ours),
-            config_maps: watched_meta(client, ns, &ours.clone().labels(&policy_config_maps)),
+            service_accounts: watched(client, ns, &ours),
+            roles: watched(client, ns, &ours),
+            role_bindings: watched(client, ns, &ours),
+            config_maps: watched(client, ns, &ours.clone().labels(&policy_config_maps)),
             epp_reports: watched(client, ns, &ours.clone().labels(&reports)),
-            network_policies: watched_meta(client, ns, &ours),
-            services: watched_meta(client, ns, &ours),
+            network_policies: watched(client, ns, &ours),
+            services: watched(client, ns, &ours),
             deployments: watched(client, ns, &ours),
-            pods: watched_meta(client, ns, &ours),
-            inference_pools: watched_meta(client, ns, &ours),
-            http_routes: watched_meta(client, ns, &ours),
-            backend_tls_policies: watched_meta(client, ns, &ours),
+            pods: watched(client, ns, &ours),
+            inference_pools: watched(client, ns, &ours),
+            http_routes: watched(client, ns, &ours),
+            backend_tls_policies: watched(client, ns, &ours),
             gateways: watch_gateways(client, ns),
         }
     }
@@ -437,8 +437,10 @@ fn take<K: Resource<DynamicType = ()> + Clone + Send + 'static>(w: &mut Watched<
         .unwrap_or_else(|| futures::stream::empty().boxed())
 }
 
-/// A labelled watch of whole `K` objects in scope, feeding a store and a
-/// trigger stream.
+/// A labelled watch of `K` in scope, feeding a store and a trigger stream.
+/// `K` is a `PartialObjectMeta<_>` for a metadata-only watch (the API server
+/// then sends no more): owner references, names and versions are all most
+/// reconciles read.
 fn watched<K>(client: &Client, ns: Option<&str>, wc: &watcher::Config) -> Watched<K>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
@@ -451,35 +453,6 @@ where
 {
     let (store, writer) = reflector::store();
     let stream = watcher(scoped::<K>(client, ns), wc.clone())
-        .backoff(watch_backoff())
-        .modify(strip_managed_fields)
-        .reflect(writer)
-        .touched_objects();
-    Watched {
-        store,
-        triggers: Some(log_outages(K::kind(&()).into_owned(), stream).boxed()),
-    }
-}
-
-/// Like [`watched`], metadata only (an `Api<PartialObjectMeta<K>>` asks
-/// for no more): owner references, names and versions are all a reconcile
-/// reads.
-fn watched_meta<K>(
-    client: &Client,
-    ns: Option<&str>,
-    wc: &watcher::Config,
-) -> Watched<PartialObjectMeta<K>>
-where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    let (store, writer) = reflector::store();
-    let stream = watcher(scoped::<PartialObjectMeta<K>>(client, ns), wc.clone())
         .backoff(watch_backoff())
         .modify(strip_managed_fields)
         .reflect(writer)

@@ -33,10 +33,9 @@ pub mod workspace_images;
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
@@ -87,7 +86,7 @@ impl NodeBinaries {
                 if let Some(dir) = std::env::var_os(NODE_BIN_DIR_ENV).filter(|d| !d.is_empty()) {
                     return Ok(PathBuf::from(dir));
                 }
-                run_install_script().await
+                crate::cluster::run_install_script(&install_script_path(), NODE_BIN_DIR_ENV).await
             })
             .await?;
         let bins = Self { dir: dir.clone() };
@@ -120,34 +119,6 @@ impl NodeBinaries {
 /// Path of `tools/install-node.sh`.
 pub fn install_script_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/install-node.sh")
-}
-
-async fn run_install_script() -> Result<PathBuf> {
-    let script = install_script_path();
-    // stderr is inherited so a (slow, one-off) cold build shows progress.
-    let out = tokio::process::Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .with_context(|| format!("running {}", script.display()))?;
-    ensure!(
-        out.status.success(),
-        "{} failed with {} (set {NODE_BIN_DIR_ENV} to use installed binaries)",
-        script.display(),
-        out.status
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = stdout
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .ok_or_else(|| anyhow!("{} printed no directory", script.display()))?;
-    Ok(PathBuf::from(dir))
 }
 
 /// Whether this process runs as root (the tier needs it).
