@@ -27,6 +27,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Caches, strip_managed_fields};
 use crate::error::Error;
@@ -163,7 +164,13 @@ async fn run_inner(client: Client, config: &Config, shutdown: Shutdown) -> Resul
     config.metrics.set_leader(true);
 
     let (stop_controller, controller_stop) = shutdown_channel();
-    let controller = tokio::spawn(run_controller(client, config.clone(), controller_stop));
+    // Aborted if `run` is dropped: a controller outliving its Lease loop
+    // would reconcile without holding the Lease.
+    let controller = AbortOnDropHandle::new(tokio::spawn(run_controller(
+        client,
+        config.clone(),
+        controller_stop,
+    )));
     let mut renewed = Instant::now();
     let lost = loop {
         tokio::select! {
@@ -245,10 +252,11 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     let ns = config.namespace.as_deref();
     // graceful_shutdown_on wants a Sync future; a oneshot receiver is.
     let (tx, rx) = futures::channel::oneshot::channel::<()>();
-    let stop_task = tokio::spawn(async move {
+    // Both helper tasks end with this function, however it ends.
+    let _stop_relay = AbortOnDropHandle::new(tokio::spawn(async move {
         stop.wait().await;
         let _ = tx.send(());
-    });
+    }));
 
     // Every watch gets its own backoff, and its errors are logged here and
     // not passed on. With `Controller::new`/`owns`, all watches share one
@@ -287,7 +295,10 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
         memory: Memory::default(),
         taken: TakenNames::default(),
     });
-    let sweeper = tokio::spawn(forget_deleted_policies(ctx.clone(), policy_store.clone()));
+    let _sweeper = AbortOnDropHandle::new(tokio::spawn(forget_deleted_policies(
+        ctx.clone(),
+        policy_store.clone(),
+    )));
 
     let controller = Controller::for_stream(
         log_outages("InferencePolicy", policies),
@@ -313,8 +324,6 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
             }
         })
         .await;
-    stop_task.abort();
-    sweeper.abort();
     tracing::info!("controller stopped");
 }
 
