@@ -60,8 +60,14 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Print the CustomResourceDefinitions (equal to the committed crds/).
-    Crds,
+    /// Print what a cluster admin installs once (equal to the committed
+    /// crds/): the CustomResourceDefinition and the ValidatingAdmissionPolicy
+    /// that bounds its predicates.
+    Crds {
+        /// Write the two files of crds/ into this directory instead.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Run the whole request path on loopback (simulated model servers and a
     /// provider, the EPP, a real Envoy), send sample traffic and print
     /// per-rule decisions and latencies. No cluster needed.
@@ -121,10 +127,7 @@ fn main() -> ExitCode {
             matches!(output, Output::Json),
             seed,
         ),
-        Command::Crds => {
-            print!("{}", kinference_api::crd_yaml());
-            Ok(true)
-        }
+        Command::Crds { dir } => write_crds(dir.as_deref()),
         Command::Demo {
             print_policy: true, ..
         } => {
@@ -156,4 +159,29 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// The CRD and its admission policy: printed, or written as crds/ holds them.
+fn write_crds(dir: Option<&std::path::Path>) -> anyhow::Result<bool> {
+    let files = [
+        (
+            "inferencepolicies.kinference.io.yaml",
+            kinference_api::crd_yaml(),
+        ),
+        (
+            "inferencepolicies.kinference.io-admission.yaml",
+            kinference_api::admission_yaml(),
+        ),
+    ];
+    match dir {
+        None => files.iter().for_each(|(_, text)| print!("{text}")),
+        Some(dir) => {
+            for (name, text) in &files {
+                let path = dir.join(name);
+                std::fs::write(&path, text)
+                    .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            }
+        }
+    }
+    Ok(true)
 }

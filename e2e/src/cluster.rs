@@ -30,10 +30,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, ResourceExt as _};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::OnceCell;
 use yaml_rust2::{Yaml, YamlLoader};
@@ -478,18 +481,49 @@ impl TestCluster {
         files.sort();
         let api: Api<CustomResourceDefinition> = Api::all(self.client());
         let mut names = Vec::new();
+        let mut admission = Vec::new();
         for file in &files {
-            for crd in load_crds(file)? {
+            let docs = load_cluster_docs(file)?;
+            for crd in docs.crds {
                 let name = apply_crd(&api, crd)
                     .await
                     .with_context(|| format!("installing CRDs from {}", file.display()))?;
                 names.push(name);
             }
+            admission.push((file, docs.policies, docs.bindings));
         }
         for name in &names {
             wait_crd_established(&api, name).await?;
         }
+        for (file, policies, bindings) in admission {
+            self.apply_admission(policies, bindings)
+                .await
+                .with_context(|| {
+                    format!("installing admission policies from {}", file.display())
+                })?;
+        }
         Ok(names)
+    }
+
+    /// Server-side apply admission policies and their bindings. The API
+    /// server enforces a policy shortly after, not at once.
+    async fn apply_admission(
+        &self,
+        policies: Vec<ValidatingAdmissionPolicy>,
+        bindings: Vec<ValidatingAdmissionPolicyBinding>,
+    ) -> Result<()> {
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let api: Api<ValidatingAdmissionPolicy> = Api::all(self.client());
+        for policy in policies {
+            api.patch(&policy.name_any(), &params, &Patch::Apply(&policy))
+                .await?;
+        }
+        let api: Api<ValidatingAdmissionPolicyBinding> = Api::all(self.client());
+        for binding in bindings {
+            api.patch(&binding.name_any(), &params, &Patch::Apply(&binding))
+                .await?;
+        }
+        Ok(())
     }
 
     /// Server-side apply the given CRDs and wait until all are `Established`.
@@ -546,22 +580,45 @@ impl Drop for TestCluster {
 
 /// Parse every CustomResourceDefinition in a (multi-document) YAML file.
 pub fn load_crds(path: &Path) -> Result<Vec<CustomResourceDefinition>> {
+    Ok(load_cluster_docs(path)?.crds)
+}
+
+/// What a cluster admin installs once: CRDs, and the admission policies that
+/// bound what their schemas cannot.
+#[derive(Default)]
+pub struct ClusterDocs {
+    pub crds: Vec<CustomResourceDefinition>,
+    pub policies: Vec<ValidatingAdmissionPolicy>,
+    pub bindings: Vec<ValidatingAdmissionPolicyBinding>,
+}
+
+pub fn load_cluster_docs(path: &Path) -> Result<ClusterDocs> {
     let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let docs =
         yaml_documents_to_json(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let mut crds = Vec::new();
+    let mut out = ClusterDocs::default();
     for doc in docs {
-        let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or_default();
-        ensure!(
-            kind == "CustomResourceDefinition",
-            "{}: expected only CustomResourceDefinition documents, found kind {kind:?}",
-            path.display()
-        );
-        let crd: CustomResourceDefinition = serde_json::from_value(doc)
-            .with_context(|| format!("decoding CRD in {}", path.display()))?;
-        crds.push(crd);
+        let kind = doc
+            .get("kind")
+            .and_then(|k| k.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let decoded = match kind.as_str() {
+            "CustomResourceDefinition" => serde_json::from_value(doc).map(|d| out.crds.push(d)),
+            "ValidatingAdmissionPolicy" => {
+                serde_json::from_value(doc).map(|d| out.policies.push(d))
+            }
+            "ValidatingAdmissionPolicyBinding" => {
+                serde_json::from_value(doc).map(|d| out.bindings.push(d))
+            }
+            _ => bail!(
+                "{}: expected CustomResourceDefinitions and admission policies, found kind {kind:?}",
+                path.display()
+            ),
+        };
+        decoded.with_context(|| format!("decoding a {kind} in {}", path.display()))?;
     }
-    Ok(crds)
+    Ok(out)
 }
 
 /// Convert a multi-document YAML string to JSON values, skipping empty documents.

@@ -388,10 +388,16 @@ async fn manifests_are_accepted_by_the_api_server() -> Result<()> {
                     .map(|d| (d.kind().to_string(), d.name().to_string()))
                     .collect();
                 let mut expected = kinds.clone();
-                expected.insert((
-                    "CustomResourceDefinition".to_string(),
-                    "inferencepolicies.kinference.io".to_string(),
-                ));
+                for kind in [
+                    "CustomResourceDefinition",
+                    "ValidatingAdmissionPolicy",
+                    "ValidatingAdmissionPolicyBinding",
+                ] {
+                    expected.insert((
+                        kind.to_string(),
+                        "inferencepolicies.kinference.io".to_string(),
+                    ));
+                }
                 ensure!(
                     rendered == expected,
                     "overlay {overlay} renders {rendered:?}, crds/ + manifests/ have {expected:?}"

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
@@ -1469,8 +1470,17 @@ async fn racing_candidates_never_both_win_a_round() -> Result<()> {
 /// Creates an InferencePolicy from JSON text, bypassing typed encoding:
 /// what a user's `kubectl apply` of a hostile or huge manifest sends.
 async fn create_raw_policy(client: &Client, body: String) -> Result<()> {
+    post_raw_policy(client, body, "").await
+}
+
+/// Whether the API server would store it (admission included), storing nothing.
+async fn dry_run_raw_policy(client: &Client, body: String) -> Result<()> {
+    post_raw_policy(client, body, "?dryRun=All").await
+}
+
+async fn post_raw_policy(client: &Client, body: String, query: &str) -> Result<()> {
     let request = http::Request::post(format!(
-        "/apis/kinference.io/v1alpha1/namespaces/{NS}/inferencepolicies"
+        "/apis/kinference.io/v1alpha1/namespaces/{NS}/inferencepolicies{query}"
     ))
     .header("content-type", "application/json")
     .body(body.into_bytes())?;
@@ -1491,8 +1501,101 @@ fn raw_policy(name: &str, rule_matches: &str) -> String {
     )
 }
 
-/// A `matches` nested 3,000 deep is stored by the API server (the schema
-/// leaves predicate values open) and used to fail the decoding of the whole
+const PREDICATE_SHAPE: &str = "predicate values (rules[].matches, exclude[].if, exclude[].drop, select[].if) are a scalar, a list of scalars, or a one-key operator map over those";
+
+/// A policy whose `rules[0]` has these `matches`, `exclude` and tier.
+fn raw_policy_with(name: &str, matches: &str, exclude: &str, tier: &str) -> String {
+    format!(
+        r#"{{"apiVersion":"kinference.io/v1alpha1","kind":"InferencePolicy",
+        "metadata":{{"name":"{name}"}},
+        "spec":{{"pool":{{"selector":{{"app":"vllm"}},"targetPorts":[{{"number":8000}}]}},
+        "rules":[{{"name":"first","matches":{matches},"route":{{"exclude":{exclude},"select":[{tier}]}}}},
+                 {{"name":"rest","route":{{"select":[{{"minimize":"QueueDepth"}}]}}}}]}}}}"#
+    )
+}
+
+/// Waits until the API server enforces the admission policy (it compiles a
+/// new one in the background) and returns the refusal.
+async fn refused_once_enforced(client: &Client, body: String) -> Result<String> {
+    eventually("the admission policy to be enforced", async || {
+        Ok(dry_run_raw_policy(client, body.clone())
+            .await
+            .err()
+            .map(|e| format!("{e:#}")))
+    })
+    .await
+}
+
+/// The CRD schema must leave predicate values open (they are unions), so
+/// the admission policy shipped in crds/ bounds them: a value nested deeper
+/// than the language reads is refused with the message, in every place
+/// predicates appear, and every shape the language has is stored.
+#[tokio::test]
+async fn the_api_server_refuses_predicate_values_nested_deeper_than_the_language() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let deep = format!(
+        r#"{{"model":{}1{}}}"#,
+        r#"{"a":"#.repeat(3000),
+        "}".repeat(3000)
+    );
+    let refusal = refused_once_enforced(&client, raw_policy("deep", &format!("[{deep}]"))).await?;
+    assert!(refusal.contains(PREDICATE_SHAPE), "{refusal}");
+
+    let fits = [
+        (
+            r#"[{"model":"m","tenant":["a","b"]}]"#,
+            "[]",
+            r#"{"minimize":"QueueDepth"}"#,
+        ),
+        (
+            r#"[{"promptTokens":{"greaterThan":{"request":"maxTokens"}}}]"#,
+            r#"[{"if":{"tag":{"containsNone":["pii-none"]}},"drop":[{"backend.type":"Provider"},{"provider.name":["x"]}]}]"#,
+            r#"{"if":[{"kvCacheUtilization":{"lessThan":0.8}}],"minimize":"QueueDepth"}"#,
+        ),
+    ];
+    for (i, (matches, exclude, tier)) in fits.iter().enumerate() {
+        create_raw_policy(
+            &client,
+            raw_policy_with(&format!("fits-{i}"), matches, exclude, tier),
+        )
+        .await
+        .with_context(|| format!("{matches} {exclude} {tier} was refused"))?;
+    }
+    let fine = (r#"[{"model":"m"}]"#, "[]", r#"{"minimize":"QueueDepth"}"#);
+    let too_deep = [
+        (r#"[{"model":[["m"]]}]"#, fine.1, fine.2),
+        (r#"[{"model":{"notIn":[["m"]]}}]"#, fine.1, fine.2),
+        (
+            r#"[{"promptTokens":{"greaterThan":{"request":{"a":1}}}}]"#,
+            fine.1,
+            fine.2,
+        ),
+        (fine.0, r#"[{"if":{"model":[[1]]}}]"#, fine.2),
+        (
+            fine.0,
+            r#"[{"drop":[{"backend.name":{"prefix":{"a":{"b":"c"}}}}]}]"#,
+            fine.2,
+        ),
+        (fine.0, r#"[{"drop":[["a"]]}]"#, fine.2),
+        (
+            fine.0,
+            fine.1,
+            r#"{"if":{"queueDepth":{"lessThan":{"a":{"b":1}}}}}"#,
+        ),
+    ];
+    for (matches, exclude, tier) in too_deep {
+        let error = create_raw_policy(&client, raw_policy_with("too-deep", matches, exclude, tier))
+            .await
+            .expect_err(&format!("{matches} {exclude} {tier} was stored"));
+        assert!(format!("{error:#}").contains(PREDICATE_SHAPE), "{error:#}");
+    }
+    Ok(())
+}
+
+/// A `matches` nested 3,000 deep, stored before the admission policy of
+/// crds/ existed (the schema leaves predicate values open), used to fail the decoding of the whole
 /// policy list, and with it the operator's watch. A policy of 1.2 MB compiles
 /// to a ConfigMap over the 1 MiB limit. Both exist before the operator
 /// starts, so its first list holds them; each gets a status naming its
@@ -1507,6 +1610,19 @@ async fn a_deeply_nested_or_oversized_policy_gets_a_status_and_stops_nothing_els
         r#"{"a":"#.repeat(3000),
         "}".repeat(3000)
     );
+    // Stored as before the admission policy existed (an upgrade).
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    let binding = bindings.get("inferencepolicies.kinference.io").await?;
+    bindings
+        .delete(&binding.name_any(), &DeleteParams::default())
+        .await?;
+    eventually("the admission policy to be lifted", async || {
+        Ok(dry_run_raw_policy(&client, raw_policy("deep", &deep))
+            .await
+            .is_ok()
+            .then_some(()))
+    })
+    .await?;
     create_raw_policy(&client, raw_policy("deep", &deep)).await?;
     let tenants: Vec<String> = (0..12_000)
         .map(|i| format!("tenant-{i:06}-{}", "x".repeat(88)))

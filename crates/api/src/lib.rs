@@ -4,10 +4,15 @@
 //! operator compiles.
 #![forbid(unsafe_code)]
 
+mod admission;
 mod crd;
 mod epp_status;
 mod labels;
 
+pub use admission::{
+    ADMISSION_POLICY_NAME, PREDICATE_SHAPE_MESSAGE, admission_policy, admission_policy_binding,
+    admission_yaml,
+};
 pub use crd::{
     ClientCaRef, EndpointPickerSpec, EppNetworkPolicySpec, InferencePolicy, InferencePolicySpec,
     InferencePolicyStatus, crd, crd_yaml,
