@@ -1924,10 +1924,20 @@ async fn a_reconcile_that_finds_nothing_to_do_sends_nothing() -> Result<()> {
     create_epp_pod(&client, "chat").await?;
     make_epp_available(&client, "chat").await?;
     let hash = hash_of(&valid_spec())?;
+    let reported = Timestamp::now();
     report(&client, "chat", &epp_pod("chat"), &hash, KEYS_FOUND).await?;
     wait_condition(&policies, "chat", "Ready", "True").await?;
     let ready = requests_while_idle(&cluster, &metrics, Duration::from_secs(6)).await?;
     assert_eq!(ready.total(), 0, "with the EPP Ready: {ready:?}");
+    // The report moved the shared status ConfigMap's version; that alone is
+    // no reason to apply it again.
+    let events = read_audit_log(&cluster.audit_log_path())?;
+    let since_report = RequestCounts::of(&events, AUDITED_OPERATOR, reported, Timestamp::now());
+    assert_eq!(
+        since_report.by_kind.get("patch configmaps"),
+        None,
+        "{since_report:?}"
+    );
 
     // Someone edits a generated object: it is applied again at once.
     let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), NS);

@@ -336,7 +336,7 @@ async fn apply_all(
     a.apply(&c.roles, &d.role, false).await?;
     a.apply(&c.role_bindings, &d.role_binding, false).await?;
     a.apply(&c.config_maps, &d.config_map, false).await?;
-    a.apply(&c.epp_reports, &d.epp_status_config_map, false)
+    a.apply_shared(&c.epp_reports, &d.epp_status_config_map)
         .await?;
     // The NetworkPolicy before the Pods it protects exist.
     if let Some(np) = &d.network_policy {
