@@ -34,11 +34,11 @@ fn policy(openai_secret: &str) -> String {
         "pool: {{ selector: {{ app: x }}, targetPorts: [{{ number: 8000 }}] }}
 providers:
   - name: openai
-    baseUrl: https://api.openai.test/v1
+    baseURL: https://api.openai.test/v1
     secretRef: {{ name: {openai_secret} }}
     models: [{{ name: qwen }}]
   - name: databricks
-    baseUrl: https://dbx.test/v1
+    baseURL: https://dbx.test/v1
     secretRef: {{ name: dbx, key: token }}
     models: [{{ name: qwen }}]
 rules:

@@ -888,7 +888,7 @@ fn policy_with_provider() -> Value {
         "route": {"parentRefs": [{"name": "inference-gateway"}], "pathPrefix": "/v1"},
         "providers": [{
             "name": "openai",
-            "baseUrl": "https://api.openai.com/v1",
+            "baseURL": "https://api.openai.com/v1",
             "secretRef": {"name": "openai-key"},
             "models": [{"name": "qwen-2.5", "targetModel": "gpt-4o-mini"}]
         }],

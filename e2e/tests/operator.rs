@@ -169,13 +169,13 @@ fn valid_spec() -> Value {
         "providers": [
             {
                 "name": "openai",
-                "baseUrl": "https://api.openai.com/v1",
+                "baseURL": "https://api.openai.com/v1",
                 "secretRef": {"name": "openai-key", "key": "apiKey"},
                 "models": [{"name": "gpt-4o-mini"}]
             },
             {
                 "name": "internal",
-                "baseUrl": "http://llm-proxy.corp.example:8080/v1",
+                "baseURL": "http://llm-proxy.corp.example:8080/v1",
                 "secretRef": {"name": "proxy-token"},
                 "models": [{"name": "llama-3-70b"}]
             }
@@ -1590,6 +1590,48 @@ async fn the_api_server_refuses_predicate_values_nested_deeper_than_the_language
             .await
             .expect_err(&format!("{matches} {exclude} {tier} was stored"));
         assert!(format!("{error:#}").contains(PREDICATE_SHAPE), "{error:#}");
+    }
+    Ok(())
+}
+
+/// `baseURL` follows the API conventions for acronyms; the old spelling
+/// `baseUrl` is still stored for one release, but never beside the new one.
+#[tokio::test]
+async fn the_api_server_takes_either_spelling_of_base_url_but_not_both() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let with_provider = |name: &str, fields: &str| {
+        format!(
+            r#"{{"apiVersion":"kinference.io/v1alpha1","kind":"InferencePolicy",
+            "metadata":{{"name":"{name}"}},
+            "spec":{{"pool":{{"selector":{{"app":"vllm"}},"targetPorts":[{{"number":8000}}]}},
+            "providers":[{{"name":"openai",{fields}"models":[{{"name":"m"}}]}}],
+            "rules":[{{"name":"rest","route":{{"select":[{{"minimize":"QueueDepth"}}]}}}}]}}}}"#
+        )
+    };
+    create_raw_policy(
+        &client,
+        with_provider("new", r#""baseURL":"https://a.example/v1","#),
+    )
+    .await?;
+    create_raw_policy(
+        &client,
+        with_provider("old", r#""baseUrl":"https://a.example/v1","#),
+    )
+    .await?;
+    for fields in [
+        r#""baseURL":"https://a.example/v1","baseUrl":"https://a.example/v1","#,
+        "",
+    ] {
+        let error = create_raw_policy(&client, with_provider("bad", fields))
+            .await
+            .expect_err(fields);
+        assert!(
+            format!("{error:#}")
+                .contains("set baseURL (baseUrl is its deprecated spelling), exactly once"),
+            "{error:#}"
+        );
     }
     Ok(())
 }

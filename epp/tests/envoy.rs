@@ -91,7 +91,7 @@ struct Stack {
 const POOL: &str = "pool:\n  selector: { app: sim }\n  targetPorts: [{ number: 8000 }]\n";
 const PROVIDER: &str = "providers:
   - name: cloud
-    baseUrl: https://api.cloud.example/v1
+    baseURL: https://api.cloud.example/v1
     secretRef: { name: cloud-key }
     models: [{ name: qwen, targetModel: cloud-large }]
 ";

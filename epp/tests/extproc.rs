@@ -263,7 +263,7 @@ async fn model_rewrite_fixes_body_and_content_length() {
 
 #[tokio::test]
 async fn provider_pick_routes_by_header_with_credentials_and_mapped_model() {
-    let policy = "providers:\n  - name: openai\n    baseUrl: https://api.openai.test/v1\n    secretRef: { name: k }\n    models: [{ name: qwen, targetModel: gpt-4o-mini }]\nrules:\n  - name: overflow\n    route:\n      consider: [{ backends: { type: Provider } }]\n      select: [{ order: [openai] }]\n";
+    let policy = "providers:\n  - name: openai\n    baseURL: https://api.openai.test/v1\n    secretRef: { name: k }\n    models: [{ name: qwen, targetModel: gpt-4o-mini }]\nrules:\n  - name: overflow\n    route:\n      consider: [{ backends: { type: Provider } }]\n      select: [{ order: [openai] }]\n";
     let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
     h.epp.picker.provider_keys.store(Arc::new(
         [("openai".to_string(), "sk-test".to_string())].into(),

@@ -50,15 +50,15 @@ impl Drop for TempDir {
 const POLICY: &str = "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }
 providers:
   - name: openai
-    baseUrl: https://api.openai.test/v1
+    baseURL: https://api.openai.test/v1
     secretRef: { name: openai-key }
     models: [{ name: qwen, targetModel: gpt-4o-mini }]
   - name: databricks
-    baseUrl: https://dbx.test/v1
+    baseURL: https://dbx.test/v1
     secretRef: { name: dbx, key: token }
     models: [{ name: qwen }]
   - name: free
-    baseUrl: https://free.test/v1
+    baseURL: https://free.test/v1
     models: [{ name: qwen }]
 rules:
   - name: out

@@ -16,7 +16,7 @@ fn large_policy() -> String {
     let mut p = format!(
         "{POOL}providers:\n{}rules:\n",
         (0..10)
-            .map(|i| format!("  - {{ name: p{i}, baseUrl: https://p{i}.test, models: [{{ name: m0 }}, {{ name: m1 }}] }}\n"))
+            .map(|i| format!("  - {{ name: p{i}, baseURL: https://p{i}.test, models: [{{ name: m0 }}, {{ name: m1 }}] }}\n"))
             .collect::<String>()
     );
     for i in 0..19 {

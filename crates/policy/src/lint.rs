@@ -59,7 +59,22 @@ pub fn warnings(policy: &CompiledPolicy) -> Vec<Warning> {
         });
     }
     unused_classifiers(policy, &mut out);
+    deprecated_spellings(policy, &mut out);
     out
+}
+
+/// Fields renamed for the Kubernetes API conventions, read under their old
+/// name for one release.
+fn deprecated_spellings(policy: &CompiledPolicy, out: &mut Vec<Warning>) {
+    for (i, p) in policy.source.providers.iter().enumerate() {
+        if p.deprecated_base_url.is_some() {
+            out.push(Warning {
+                path: format!("providers[{i}].baseUrl"),
+                message: "baseUrl is deprecated and will not be read after v1alpha1".into(),
+                fix: "rename it to baseURL".into(),
+            });
+        }
+    }
 }
 
 // ------------------------------------------------------------- shadowing

@@ -95,10 +95,19 @@ pub struct ParentRef {
 /// An off-cluster, OpenAI-compatible inference provider.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.baseURL) != has(self.baseUrl)",
+    "message": "set baseURL (baseUrl is its deprecated spelling), exactly once"
+}]))]
 pub struct ProviderSpec {
     pub name: String,
-    /// e.g. `https://api.example.com/v1`.
-    pub base_url: String,
+    /// e.g. `https://api.example.com/v1`. Required.
+    #[serde(rename = "baseURL", default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// Deprecated spelling of `baseURL` (Kubernetes API conventions write
+    /// acronyms in capitals), still read in v1alpha1 with a lint warning.
+    #[serde(rename = "baseUrl", default, skip_serializing_if = "Option::is_none")]
+    pub deprecated_base_url: Option<String>,
     /// API flavour; only `openai` is supported today.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
@@ -109,6 +118,15 @@ pub struct ProviderSpec {
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
+}
+
+impl ProviderSpec {
+    /// The base URL, whichever spelling set it.
+    pub fn url(&self) -> Option<&str> {
+        self.base_url
+            .as_deref()
+            .or(self.deprecated_base_url.as_deref())
+    }
 }
 
 /// Key within a provider's Secret when its [`SecretKeyRef`] names none.

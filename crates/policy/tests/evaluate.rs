@@ -274,7 +274,7 @@ fn consider_defaults_to_local_endpoints_of_the_requested_model() {
 #[test]
 fn consider_models_names_and_backends_block() {
     let p = policy(
-        "providers: [{ name: openai, baseUrl: https://api.openai.com/v1, models: [{ name: qwen-2.5 }] }]\nrules:\n  - name: r\n    route:\n      consider:\n        - models: { names: [gemma-4] }\n        - backends: { type: Provider, names: [openai] }\n      select: [{ type: Any, minimize: RunningRequests }]\n",
+        "providers: [{ name: openai, baseURL: https://api.openai.com/v1, models: [{ name: qwen-2.5 }] }]\nrules:\n  - name: r\n    route:\n      consider:\n        - models: { names: [gemma-4] }\n        - backends: { type: Provider, names: [openai] }\n      select: [{ type: Any, minimize: RunningRequests }]\n",
     );
     let cands = [
         with(local("qwen-local", "qwen-2.5"), |m| {
@@ -291,7 +291,7 @@ fn consider_models_names_and_backends_block() {
     assert_eq!(outcome(&p, &request("qwen-2.5"), &[], &cands), "openai");
     // `backends: {}` means every destination.
     let every = policy(
-        "providers: [{ name: openai, baseUrl: https://api.openai.com/v1, models: [{ name: qwen-2.5 }] }]\nrules:\n  - name: r\n    route:\n      consider: [{ backends: {} }]\n      select: [{ type: Any, minimize: RunningRequests }]\n",
+        "providers: [{ name: openai, baseURL: https://api.openai.com/v1, models: [{ name: qwen-2.5 }] }]\nrules:\n  - name: r\n    route:\n      consider: [{ backends: {} }]\n      select: [{ type: Any, minimize: RunningRequests }]\n",
     );
     let mut req = request("qwen-2.5");
     req.prompt_tokens = 1;
@@ -329,7 +329,7 @@ fn exclude_if_applies_only_when_the_request_matches() {
 #[test]
 fn first_tier_with_a_surviving_candidate_wins() {
     let p = policy(
-        "providers: [{ name: openai, baseUrl: https://x.test, models: [{ name: m }] }, { name: azure, baseUrl: https://y.test, models: [{ name: m }] }]\nrules:\n  - name: r\n    route:\n      consider: [{ backends: {} }]\n      exclude: [{ drop: { QueueDepth: { greaterThan: 5 } } }]\n      select:\n        - { type: Local, minimize: QueueDepth }\n        - { type: Provider, order: [azure, openai] }\n",
+        "providers: [{ name: openai, baseURL: https://x.test, models: [{ name: m }] }, { name: azure, baseURL: https://y.test, models: [{ name: m }] }]\nrules:\n  - name: r\n    route:\n      consider: [{ backends: {} }]\n      exclude: [{ drop: { QueueDepth: { greaterThan: 5 } } }]\n      select:\n        - { type: Local, minimize: QueueDepth }\n        - { type: Provider, order: [azure, openai] }\n",
     );
     let busy = with(local("busy", "m"), |m| m.queue_depth = Some(9.0));
     let idle = with(local("idle", "m"), |m| m.queue_depth = Some(1.0));
@@ -413,7 +413,7 @@ fn within_ties_and_tie_breaks() {
     ];
     let rule = |extra: &str| {
         policy(&format!(
-            "providers: [{{ name: p, baseUrl: https://p.test, models: [{{ name: m }}] }}]\nrules:\n  - name: r\n    route:\n      consider: [{{ backends: {{}} }}]\n      select: [{{ type: Any, minimize: Cost{extra} }}]\n      tieBreak: PreferLocal\n"
+            "providers: [{{ name: p, baseURL: https://p.test, models: [{{ name: m }}] }}]\nrules:\n  - name: r\n    route:\n      consider: [{{ backends: {{}} }}]\n      select: [{{ type: Any, minimize: Cost{extra} }}]\n      tieBreak: PreferLocal\n"
         ))
     };
     // Without within the provider is strictly cheapest.

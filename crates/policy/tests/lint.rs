@@ -7,7 +7,7 @@ use kinference_policy::source::compile_text;
 const HEAD: &str = "pool: { selector: { app: vllm }, targetPorts: [{ number: 8000 }] }
 providers:
   - name: openai
-    baseUrl: https://api.openai.com/v1
+    baseURL: https://api.openai.com/v1
     models: [{ name: qwen-2.5, targetModel: gpt-4o-mini, price: { input: 0.15, cachedInput: 0.075, output: 0.6 } }]
 classifiers:
   - { name: pii, type: pii, timeout: 20ms }
@@ -244,4 +244,36 @@ fn the_example_policies_lint_clean() {
             path.display()
         );
     }
+}
+
+#[test]
+fn the_old_spelling_base_url_still_works_with_a_warning() {
+    let old = format!("{}{USES_PII}{LAST}", HEAD.replace("baseURL:", "baseUrl:"));
+    let policy = compile_text(&old).unwrap_or_else(|e| panic!("{e:#?}"));
+    assert_eq!(policy.providers[0].base_url, "https://api.openai.com/v1");
+    assert_eq!(
+        lines(&warnings(&policy)),
+        [
+            "providers[0].baseUrl: baseUrl is deprecated and will not be read after v1alpha1 (fix: rename it to baseURL)"
+        ]
+    );
+
+    let both = format!(
+        "{}{USES_PII}{LAST}",
+        HEAD.replace(
+            "baseURL: https://api.openai.com/v1",
+            "baseURL: https://api.openai.com/v1\n    baseUrl: https://api.openai.com/v1"
+        )
+    );
+    let errors = format!("{:?}", compile_text(&both).expect_err("both spellings"));
+    assert!(
+        errors.contains("baseUrl is the deprecated spelling of baseURL: set only baseURL"),
+        "{errors}"
+    );
+    let neither = format!(
+        "{}{USES_PII}{LAST}",
+        HEAD.replace("    baseURL: https://api.openai.com/v1\n", "")
+    );
+    let errors = format!("{:?}", compile_text(&neither).expect_err("no URL"));
+    assert!(errors.contains("providers[0].baseURL"), "{errors}");
 }

@@ -37,7 +37,7 @@ const WORDS: &[&str] = &[
     "status",
     "message",
     "providers",
-    "baseUrl",
+    "baseURL",
     "classifiers",
     "timeout",
     "tag",
@@ -98,7 +98,7 @@ fn policy_value() -> impl Strategy<Value = Json> {
             json!({
                 "pool": { "selector": { "app": "x" }, "targetPorts": [{ "number": 8000 }] },
                 "classifiers": [{ "name": "pii", "type": "pii" }],
-                "providers": [{ "name": "p", "baseUrl": "https://p.test", "models": [{ "name": "m" }] }],
+                "providers": [{ "name": "p", "baseURL": "https://p.test", "models": [{ "name": "m" }] }],
                 "rules": [
                     { "name": "a", "matches": [matches], "route": { "consider": consider, "exclude": exclude, "select": select } },
                     { "name": "b", "route": extra },

@@ -190,13 +190,13 @@ pub(crate) mod testing {
             "providers": [
                 {
                     "name": "openai",
-                    "baseUrl": "https://api.openai.com/v1",
+                    "baseURL": "https://api.openai.com/v1",
                     "secretRef": {"name": "openai-key", "key": "apiKey"},
                     "models": [{"name": "gpt-4o-mini"}]
                 },
                 {
                     "name": "internal",
-                    "baseUrl": "http://llm-proxy.corp.example:8080/v1",
+                    "baseURL": "http://llm-proxy.corp.example:8080/v1",
                     "secretRef": {"name": "proxy-token"},
                     "models": [{"name": "llama-3-70b"}]
                 }

@@ -93,14 +93,18 @@ pub fn validate_names(policy_name: &str, spec: &PolicySpec) -> Vec<CompileError>
                 ),
             });
         }
-        let has_scheme =
-            provider.base_url.starts_with("https://") || provider.base_url.starts_with("http://");
-        if has_scheme && ProviderEndpoint::parse(&provider.base_url).is_none() {
+        let url = provider.url().unwrap_or_default();
+        let has_scheme = url.starts_with("https://") || url.starts_with("http://");
+        if has_scheme && ProviderEndpoint::parse(url).is_none() {
+            let field = if provider.base_url.is_some() {
+                "baseURL"
+            } else {
+                "baseUrl"
+            };
             errors.push(CompileError {
-                path: format!("spec.providers[{i}].baseUrl"),
+                path: format!("spec.providers[{i}].{field}"),
                 message: format!(
-                    "{:?} has no usable host name and port for an ExternalName Service",
-                    provider.base_url
+                    "{url:?} has no usable host name and port for an ExternalName Service"
                 ),
             });
         }
@@ -168,7 +172,7 @@ mod tests {
     fn bad_names_are_reported_with_paths() {
         let mut spec = example_spec();
         spec.providers[1].name = "Internal_Proxy".into();
-        spec.providers[0].base_url = "https:///v1".into();
+        spec.providers[0].base_url = Some("https:///v1".into());
         let errors = validate_names("chat.v2", &spec);
         let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(
@@ -176,7 +180,7 @@ mod tests {
             [
                 "metadata.name",
                 "spec.providers[0].name",
-                "spec.providers[0].baseUrl",
+                "spec.providers[0].baseURL",
                 "spec.providers[1].name"
             ]
         );

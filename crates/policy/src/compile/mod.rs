@@ -156,12 +156,7 @@ fn compile_providers(errors: &mut Errors, providers: &[ProviderSpec]) -> Vec<Pro
             "provider",
             &mut seen,
         );
-        if !(p.base_url.starts_with("https://") || p.base_url.starts_with("http://")) {
-            errors.add(
-                format!("{path}.baseUrl"),
-                format!("{:?} is not an http(s) URL", p.base_url),
-            );
-        }
+        let base_url = provider_url(errors, &path, p);
         if let Some(kind) = p.kind.as_deref().filter(|k| *k != "openai") {
             errors.add(
                 format!("{path}.kind"),
@@ -179,12 +174,39 @@ fn compile_providers(errors: &mut Errors, providers: &[ProviderSpec]) -> Vec<Pro
         }
         out.push(Provider {
             name: p.name.clone(),
-            base_url: p.base_url.trim_end_matches('/').to_string(),
+            base_url: base_url.trim_end_matches('/').to_string(),
             secret: p.secret_ref.clone(),
             models: compile_models(errors, &format!("{path}.models"), &p.models),
         });
     }
     out
+}
+
+/// The provider's base URL, from `baseURL` or its deprecated spelling
+/// `baseUrl` (which lint warns about); exactly one must be set.
+fn provider_url<'p>(errors: &mut Errors, path: &str, p: &'p ProviderSpec) -> &'p str {
+    let (field, url) = match (&p.base_url, &p.deprecated_base_url) {
+        (Some(_), Some(_)) => {
+            errors.add(
+                format!("{path}.baseUrl"),
+                "baseUrl is the deprecated spelling of baseURL: set only baseURL",
+            );
+            return "";
+        }
+        (None, None) => {
+            errors.add(format!("{path}.baseURL"), "required");
+            return "";
+        }
+        (Some(url), None) => ("baseURL", url),
+        (None, Some(url)) => ("baseUrl", url),
+    };
+    if !(url.starts_with("https://") || url.starts_with("http://")) {
+        errors.add(
+            format!("{path}.{field}"),
+            format!("{url:?} is not an http(s) URL"),
+        );
+    }
+    url
 }
 
 fn compile_classifiers(errors: &mut Errors, classifiers: &[ClassifierSpec]) -> Vec<Classifier> {
