@@ -138,6 +138,13 @@ impl Explanation<'_> {
                 if !tier.left_out.is_empty() {
                     let _ = writeln!(out, "    not in this tier: {}", tier.left_out.join(", "));
                 }
+                if let Some(tie_break) = &tier.tie_break {
+                    let _ = writeln!(
+                        out,
+                        "    tied: {} (tieBreak {tie_break})",
+                        tier.tied.join(", ")
+                    );
+                }
                 if let Some(w) = &tier.winner {
                     let _ = writeln!(out, "    winner: {w}");
                 }

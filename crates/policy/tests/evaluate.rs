@@ -3,7 +3,7 @@
 use kinference_policy::CompiledPolicy;
 use kinference_policy::attr::CandidateType;
 use kinference_policy::eval::{
-    Candidate, Decision, Metrics, NoTrace, Request, Tags, evaluate, evaluate_with,
+    Candidate, Decision, Metrics, NoTrace, Request, Tags, Trace, evaluate, evaluate_with,
 };
 use kinference_policy::source::compile_text;
 use rand::SeedableRng;
@@ -452,6 +452,44 @@ fn within_ties_and_tie_breaks() {
         ["a", "b"],
         "Random picks among the tie only"
     );
+}
+
+/// The explain trace says which candidates tied and what broke the tie,
+/// and says nothing of ties when the best stood alone.
+#[test]
+fn the_trace_shows_the_tie_set_and_the_tie_break() {
+    let cands = [
+        with(provider("p", "m"), |m| m.cost = Some(0.0100)),
+        with(local("l", "m"), |m| m.cost = Some(0.0104)),
+        with(local("far", "m"), |m| m.cost = Some(0.0200)),
+    ];
+    let rule = |within: &str| {
+        policy(&format!(
+            "providers: [{{ name: p, baseURL: https://p.test, models: [{{ name: m }}] }}]\nrules:\n  - name: r\n    route:\n      consider: [{{ backends: {{}} }}]\n      select: [{{ type: Any, minimize: Cost{within} }}]\n      tieBreak: PreferLocal\n"
+        ))
+    };
+    let tier = |policy: &CompiledPolicy| {
+        let mut trace = Trace::default();
+        let mut rng = StdRng::seed_from_u64(0);
+        evaluate_with(
+            policy,
+            &request("m"),
+            &cands,
+            &mut rng,
+            &mut trace,
+            |_| vec![],
+        );
+        trace.rules[0].tiers[0].clone()
+    };
+    let tied = tier(&rule(", within: 5%"));
+    assert_eq!(tied.tied, [cands[0].label(), cands[1].label()]);
+    assert_eq!(tied.tie_break.as_deref(), Some("PreferLocal"));
+    assert_eq!(tied.winner, Some(cands[1].label()));
+
+    let alone = tier(&rule(""));
+    assert!(alone.tied.is_empty(), "{:?}", alone.tied);
+    assert_eq!(alone.tie_break, None);
+    assert_eq!(alone.winner, Some(cands[0].label()));
 }
 
 #[test]

@@ -14,6 +14,7 @@ pub use input::{
     parse_candidates,
 };
 pub use redact::{REDACTED, digest, path_only, shown_value};
+pub use select::Picked;
 pub use trace::{CandidateDrop, NoTrace, RuleTrace, TierTrace, Trace, Tracer};
 
 use crate::model::{ClassifierSet, CompiledPolicy, Consider, ModelSelector, OnEmpty, Route, Rule};

@@ -31,13 +31,23 @@ pub(super) fn select<R: Rng + ?Sized, T: Tracer>(
             continue;
         }
         let winner = pick_winner(tier, route.tie_break, &ranked, candidates, rng);
+        // Only an explain trace shows the tie set: not worth a pass otherwise.
+        let ties = if T::FULL_RANKING {
+            tie_set(tier, &ranked)
+        } else {
+            Vec::new()
+        };
         let order = rank_order(&mut ranked, winner, T::FULL_RANKING);
         tracer.tier(
             tier_index,
             tier,
             survivors,
             &ranked,
-            Some(winner),
+            Some(Picked {
+                winner,
+                ties: &ties,
+                tie_break: route.tie_break,
+            }),
             candidates,
         );
         return Some(Routed {
@@ -74,14 +84,19 @@ fn rank_order(ranked: &mut [(usize, f64)], winner: usize, full: bool) -> Vec<usi
     order
 }
 
-/// The winner among the candidates tied with the best (`within`), by tieBreak.
-fn pick_winner<R: Rng + ?Sized>(
+/// A tier's winner, the candidates it was tied with, and what broke the tie.
+pub struct Picked<'a> {
+    pub winner: usize,
+    /// Candidate indices tied with the best (`within`), in consider order.
+    pub ties: &'a [usize],
+    pub tie_break: TieBreak,
+}
+
+/// The best entry of a non-empty ranking, and whether an entry ties with it.
+fn best_and_tied(
     tier: &Tier,
-    tie_break: TieBreak,
     ranked: &[(usize, f64)],
-    candidates: &[Candidate],
-    rng: &mut R,
-) -> usize {
+) -> ((usize, f64), impl Fn(&(usize, f64)) -> bool) {
     let best = ranked
         .iter()
         .copied()
@@ -95,7 +110,25 @@ fn pick_winner<R: Rng + ?Sized>(
         (_, Some(Within::Fraction(f))) => best.1.abs() * f,
     };
     // The best always ties with itself, even when infinities make distances NaN.
-    let tied = |&(i, v): &(usize, f64)| i == best.0 || v - best.1 <= slack;
+    (best, move |&(i, v): &(usize, f64)| {
+        i == best.0 || v - best.1 <= slack
+    })
+}
+
+fn tie_set(tier: &Tier, ranked: &[(usize, f64)]) -> Vec<usize> {
+    let (_, tied) = best_and_tied(tier, ranked);
+    ranked.iter().filter(|e| tied(e)).map(|e| e.0).collect()
+}
+
+/// The winner among the candidates tied with the best (`within`), by tieBreak.
+fn pick_winner<R: Rng + ?Sized>(
+    tier: &Tier,
+    tie_break: TieBreak,
+    ranked: &[(usize, f64)],
+    candidates: &[Candidate],
+    rng: &mut R,
+) -> usize {
+    let (best, tied) = best_and_tied(tier, ranked);
     let first_by_rank = |filter: &dyn Fn(usize) -> bool| {
         ranked
             .iter()

@@ -7,8 +7,9 @@ use serde::Serialize;
 use super::input::{Candidate, Request, Tags, Val};
 use super::predicate::first_failing;
 use super::redact::shown_value;
+use super::select::Picked;
 use crate::duration::format_seconds;
-use crate::model::{Rank, Rule, Test, Tier, Value};
+use crate::model::{Rank, Rule, Test, TieBreak, Tier, Value};
 
 pub trait Tracer {
     /// Whether `tier` wants every candidate ranked (costly), or only the top.
@@ -25,7 +26,7 @@ pub trait Tracer {
         _tier: &Tier,
         _survivors: &[usize],
         _ranked: &[(usize, f64)],
-        _winner: Option<usize>,
+        _picked: Option<Picked<'_>>,
         _candidates: &[Candidate],
     ) {
     }
@@ -93,6 +94,14 @@ pub struct TierTrace {
     pub left_out: Vec<String>,
     /// Admitted candidates, best first, with their objective value.
     pub ranking: Vec<(String, String)>,
+    /// Candidates tied with the best (`within`; every member of an unranked
+    /// tier), when more than one: `tieBreak` chose among them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tied: Vec<String>,
+    /// How the winner was chosen among `tied` (`PreferLocal`, `Random`, or
+    /// `RankOrder`: the first in rank order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tie_break: Option<String>,
     pub winner: Option<String>,
 }
 
@@ -166,7 +175,7 @@ impl Tracer for Trace {
         tier: &Tier,
         survivors: &[usize],
         ranked: &[(usize, f64)],
-        winner: Option<usize>,
+        picked: Option<Picked<'_>>,
         candidates: &[Candidate],
     ) {
         let value = |i: usize, key: f64| match &tier.rank {
@@ -194,7 +203,17 @@ impl Tracer for Trace {
                 .iter()
                 .map(|&(i, k)| (candidates[i].label(), value(i, k)))
                 .collect(),
-            winner: winner.map(|w| candidates[w].label()),
+            tied: match &picked {
+                Some(p) if p.ties.len() > 1 => {
+                    p.ties.iter().map(|&i| candidates[i].label()).collect()
+                }
+                _ => Vec::new(),
+            },
+            tie_break: picked
+                .as_ref()
+                .filter(|p| p.ties.len() > 1)
+                .map(|p| describe_tie_break(p.tie_break)),
+            winner: picked.map(|p| candidates[p.winner].label()),
         };
         self.current().tiers.push(trace);
     }
@@ -202,6 +221,15 @@ impl Tracer for Trace {
     fn fell_through(&mut self, _index: usize) {
         self.current().fell_through = true;
     }
+}
+
+fn describe_tie_break(tie_break: TieBreak) -> String {
+    match tie_break {
+        TieBreak::RankOrder => "RankOrder",
+        TieBreak::PreferLocal => "PreferLocal",
+        TieBreak::Random => "Random",
+    }
+    .into()
 }
 
 fn describe_rank(rank: &Rank) -> String {
