@@ -118,7 +118,7 @@ async fn the_kind_scenario_runs_on_a_real_node() -> Result<()> {
         return Ok(());
     }
     let start = Instant::now();
-    let release = tokio::task::spawn_blocking(workspace_images::release_binaries).await??;
+    let release = tokio::task::spawn_blocking(workspace_images::image_binaries).await??;
     step(start, "release binaries ready");
     let cluster = RealCluster::start().await?;
     step(start, "node Ready");
@@ -149,6 +149,8 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     let gateway = Gateway::start(&s).await?;
     step(start, "Envoy running");
     let pods = s.ready_sim_pods(2).await?;
+    gateway.wait_until_serving().await?;
+    step(start, "the gateway reaches the EPP");
     gateway.smoke_request(&pods).await?;
     step(start, "the kind request answered");
     let pinned = pods[0].name_any();
@@ -619,6 +621,27 @@ impl Gateway {
             envoy,
             request: SmokeRequest::read()?,
         })
+    }
+
+    /// Envoy reaches the EPP through its Service's ClusterIP, which kube-proxy
+    /// routes only after the EPP Pod is Ready and the next iptables sync, a
+    /// second or two after the policy turned Ready (the EPP reports its hash
+    /// before its readiness probe passes). Until then Envoy answers 500
+    /// (failure mode FailClose): wait for the first answer that is not.
+    async fn wait_until_serving(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let sent = self.send().await?;
+            if sent.status != 500 {
+                return Ok(());
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "Envoy still answers 500 after 60 s: {}",
+                sent.body
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// The kind request, answered as `smoke-request.env` says, by the Pod

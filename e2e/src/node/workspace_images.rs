@@ -24,8 +24,10 @@ pub const DISTROLESS_BASE: &str = "gcr.io/distroless/cc-debian12:nonroot";
 /// The base's `nonroot` user (`USER nonroot` in the Dockerfiles).
 pub const NONROOT_USER: &str = "nonroot";
 pub const NONROOT_UID: u32 = 65532;
-/// Skip `cargo build --release` and take the binaries from this directory.
-pub const RELEASE_DIR_ENV: &str = "KINFERENCE_RELEASE_DIR";
+/// Skip `cargo build --release` and take the binaries from this directory
+/// (CI passes its debug build: the same code, without a second compile of
+/// every dependency in release mode).
+pub const IMAGE_BIN_DIR_ENV: &str = "KINFERENCE_IMAGE_BIN_DIR";
 
 const BINARY_DIR: &str = "/usr/local/bin";
 const CA_CERTIFICATES: &str = "/etc/ssl/certs/ca-certificates.crt";
@@ -106,7 +108,7 @@ impl WorkspaceImage {
         let binary = release_dir.join(self.binary);
         ensure!(
             binary.is_file(),
-            "{} is missing: build it with `cargo build --release --locked -p {} --bin {}`",
+            "{} is missing: build it with `cargo build [--release] --locked -p {} --bin {}`",
             binary.display(),
             self.package,
             self.binary
@@ -217,11 +219,11 @@ pub fn repo_root() -> PathBuf {
     e2e.parent().unwrap_or(e2e).to_owned()
 }
 
-/// The directory with the release binaries: `$KINFERENCE_RELEASE_DIR`, else
+/// The directory with the images' binaries: `$KINFERENCE_IMAGE_BIN_DIR`, else
 /// `cargo build --release --locked` of the three images' binaries (a no-op
 /// when they are up to date) and its `target/release`.
-pub fn release_binaries() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os(RELEASE_DIR_ENV).filter(|d| !d.is_empty()) {
+pub fn image_binaries() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os(IMAGE_BIN_DIR_ENV).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(dir));
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
