@@ -49,6 +49,30 @@ fn what_is_written_out_reads_back_the_same() {
 }
 
 #[test]
+fn candidates_are_read_by_the_policy_attribute_names_and_the_old_ones() {
+    let by_policy_names = parse_candidates(json!([
+        {"type": "Local", "endpoint": "a", "model": "m", "backend.name": "vllm",
+         "label.tier": "gold", "label.zone-class": "a"}
+    ]))
+    .unwrap();
+    let by_old_names = parse_candidates(json!([
+        {"type": "Local", "endpoint": "a", "model": "m", "backend": "vllm",
+         "labels": {"tier": "gold", "zone-class": "a"}}
+    ]))
+    .unwrap();
+    assert_eq!(by_policy_names, by_old_names);
+    assert_eq!(by_policy_names[0].backend_name.as_deref(), Some("vllm"));
+    assert_eq!(by_policy_names[0].labels["tier"], "gold");
+    let both = parse_candidates(json!([
+        {"type": "Local", "endpoint": "a", "model": "m", "backend.name": "x", "backend": "y"}
+    ]));
+    assert_eq!(
+        both.unwrap_err(),
+        "candidates[0]: both `backend.name` and `backend`: write only `backend.name`"
+    );
+}
+
+#[test]
 fn header_names_are_case_insensitive() {
     let request: Request =
         serde_json::from_value(json!({"model": "m", "headers": {"X-Team": "a"}})).unwrap();
@@ -59,7 +83,7 @@ fn header_names_are_case_insensitive() {
 fn the_known_fields_are_exactly_what_a_full_candidate_writes() {
     let full = parse_candidates(json!([{
         "type": "Local", "model": "m", "endpoint": "e", "address": "1.2.3.4:8000",
-        "backend": "b", "provider": "p", "zone": "z", "node": "n", "labels": {"k": "v"},
+        "backend.name": "b", "provider.name": "p", "zone": "z", "node": "n", "label.k": "v",
         "QueueDepth": 1, "RunningRequests": 1, "KVCacheUtilization": 0.5,
         "CachedPrefixTokens": 10, "PredictedTTFT": "1ms", "ObservedTTFT": "1ms",
         "ErrorRate": 0.1, "Cost": 0.1, "contextWindow": 8192
@@ -72,7 +96,13 @@ fn the_known_fields_are_exactly_what_a_full_candidate_writes() {
         .keys()
         .map(String::as_str)
         .collect();
-    let mut known = CANDIDATE_FIELDS.to_vec();
+    // What is written is what policies name; the old spellings are read.
+    let mut known: Vec<&str> = CANDIDATE_FIELDS
+        .iter()
+        .copied()
+        .filter(|f| !["backend", "provider", "labels"].contains(f))
+        .map(|f| if f == "label.<key>" { "label.k" } else { f })
+        .collect();
     keys.sort_unstable();
     known.sort_unstable();
     assert_eq!(keys, known);

@@ -128,8 +128,10 @@ impl Tags {
     }
 }
 
-/// One (destination, model) pair the request could be sent to.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// One (destination, model) pair the request could be sent to. Written
+/// with the policy's attribute names (see [`Candidate::serialize`]); read
+/// through [`parse_candidates`].
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Candidate {
     #[serde(rename = "type")]
@@ -296,16 +298,21 @@ fn lowercase_keys<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, St
 }
 
 /// Every field a candidate in a file may have (`Candidate` flattens its
-/// metrics, so serde cannot refuse unknown ones itself).
+/// metrics, so serde cannot refuse unknown ones itself). Attributes are
+/// named as policies name them (`backend.name`, `label.<key>`); `backend`,
+/// `provider` and a `labels` map are read too.
 pub const CANDIDATE_FIELDS: &[&str] = &[
     "type",
     "model",
     "endpoint",
     "address",
-    "backend",
-    "provider",
+    "backend.name",
+    "provider.name",
     "zone",
     "node",
+    "label.<key>",
+    "backend",
+    "provider",
     "labels",
     "QueueDepth",
     "RunningRequests",
@@ -320,14 +327,15 @@ pub const CANDIDATE_FIELDS: &[&str] = &[
 
 /// Candidates from a file's JSON, refusing unknown fields (a typo such as
 /// `KVCacheUtilisation` would otherwise read as "no value").
-pub fn parse_candidates(value: serde_json::Value) -> Result<Vec<Candidate>, String> {
+pub fn parse_candidates(mut value: serde_json::Value) -> Result<Vec<Candidate>, String> {
     let items = value
-        .as_array()
+        .as_array_mut()
         .ok_or("candidates must be a list of maps")?;
-    for (i, item) in items.iter().enumerate() {
+    for (i, item) in items.iter_mut().enumerate() {
         let fields = item
-            .as_object()
+            .as_object_mut()
             .ok_or_else(|| format!("candidates[{i}]: expected a map"))?;
+        from_policy_names(fields).map_err(|e| format!("candidates[{i}]: {e}"))?;
         // Checked here for the path: the flattened metrics lose it.
         for field in ["PredictedTTFT", "ObservedTTFT"] {
             if let Some(n) = fields.get(field).filter(|v| v.is_number()) {
@@ -348,4 +356,72 @@ pub fn parse_candidates(value: serde_json::Value) -> Result<Vec<Candidate>, Stri
     }
     serde_path_to_error::deserialize(value)
         .map_err(|e| format!("candidates{}: {}", e.path(), e.inner()))
+}
+
+impl Serialize for Candidate {
+    /// As policies name the attributes: `backend.name`, `provider.name`,
+    /// one `label.<key>` per label, and the metrics by their names.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error as _, SerializeMap};
+        let metrics = serde_json::to_value(&self.metrics).map_err(S::Error::custom)?;
+        let mut map = s.serialize_map(None)?;
+        map.serialize_entry("type", &self.kind)?;
+        map.serialize_entry("model", &self.model)?;
+        map.serialize_entry("endpoint", &self.endpoint)?;
+        let optional = [
+            ("address", &self.address),
+            ("backend.name", &self.backend_name),
+            ("provider.name", &self.provider_name),
+            ("zone", &self.zone),
+            ("node", &self.node),
+        ];
+        for (name, value) in optional {
+            if let Some(v) = value {
+                map.serialize_entry(name, v)?;
+            }
+        }
+        for (key, value) in &self.labels {
+            map.serialize_entry(&format!("label.{key}"), value)?;
+        }
+        for (name, value) in metrics.as_object().into_iter().flatten() {
+            map.serialize_entry(name, value)?;
+        }
+        map.end()
+    }
+}
+
+/// Renames the policy's attribute names to the fields [`Candidate`] reads:
+/// `backend.name` to `backend`, `provider.name` to `provider`, each
+/// `label.<key>` into the `labels` map.
+fn from_policy_names(
+    fields: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), String> {
+    for (policy_name, field) in [("backend.name", "backend"), ("provider.name", "provider")] {
+        if let Some(v) = fields.remove(policy_name) {
+            if fields.contains_key(field) {
+                return Err(format!(
+                    "both `{policy_name}` and `{field}`: write only `{policy_name}`"
+                ));
+            }
+            fields.insert(field.to_owned(), v);
+        }
+    }
+    let label_keys: Vec<String> = fields
+        .keys()
+        .filter(|k| k.starts_with("label."))
+        .cloned()
+        .collect();
+    for key in label_keys {
+        let v = fields.remove(&key).expect("listed above");
+        let labels = fields
+            .entry("labels")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()))
+            .as_object_mut()
+            .ok_or("`labels` must be a map")?;
+        let label = &key["label.".len()..];
+        if labels.insert(label.to_owned(), v).is_some() {
+            return Err(format!("label {label:?} given twice"));
+        }
+    }
+    Ok(())
 }
