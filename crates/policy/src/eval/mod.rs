@@ -3,6 +3,7 @@
 
 mod input;
 mod predicate;
+mod record;
 mod redact;
 mod select;
 mod trace;
@@ -12,6 +13,10 @@ use rand::Rng;
 pub use input::{
     CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute,
     parse_candidates,
+};
+pub use record::{
+    DecisionRecord, DiffSummary, Outcome, Totals, diff, for_recorded_requests, replay,
+    undecidable_predicates,
 };
 pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use select::Picked;

@@ -1,0 +1,281 @@
+//! Decision records: what an EPP decided and over what, one JSON line each,
+//! so a changed policy can be replayed against real traffic offline.
+//!
+//! A record holds the request attributes the policy reads with every
+//! client-supplied value as `/debug/explain` shows it (tenant, LoRA and
+//! header values digested, credentials and query strings dropped), the
+//! classifier tags, the candidates and the decision. Never prompt text.
+
+use std::collections::BTreeMap;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde::{Deserialize, Serialize};
+
+use super::input::{Candidate, Request, Tags, parse_candidates};
+use super::redact::digest;
+use super::{Decision, NoTrace, evaluate_with};
+use crate::attr::{CandidateType, RequestAttr};
+use crate::model::{CompiledPolicy, Conjunction, Test, Value};
+
+/// One decision as the EPP logs it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DecisionRecord {
+    /// RFC 3339.
+    pub time: String,
+    pub policy_hash: String,
+    pub request: Request,
+    /// Every tag the classifiers that ran emitted. A classifier that did not
+    /// run reads as one that timed out: it emitted nothing.
+    pub tags: Vec<String>,
+    pub candidates: Vec<Candidate>,
+    pub decision: Outcome,
+}
+
+/// Where a decision sent the request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "action")]
+pub enum Outcome {
+    #[serde(rename_all = "camelCase")]
+    Route {
+        rule: String,
+        #[serde(rename = "type")]
+        kind: CandidateType,
+        /// `endpoint:model`, as explain traces name candidates.
+        candidate: String,
+        /// The winner's `Cost`, if priced.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost: Option<f64>,
+    },
+    #[serde(rename_all = "camelCase")]
+    Reject {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<String>,
+        status: u16,
+    },
+}
+
+impl Outcome {
+    pub fn of(policy: &CompiledPolicy, decision: &Decision, candidates: &[Candidate]) -> Self {
+        match decision {
+            Decision::Route(r) => {
+                let winner = &candidates[r.winner];
+                Outcome::Route {
+                    rule: policy.rules[r.rule].name.clone(),
+                    kind: winner.kind,
+                    candidate: winner.label(),
+                    cost: winner.metrics.cost,
+                }
+            }
+            Decision::Reject(r) => Outcome::Reject {
+                rule: r.rule.map(|i| policy.rules[i].name.clone()),
+                status: r.status,
+            },
+        }
+    }
+
+    /// The rule that decided, if any.
+    pub fn rule(&self) -> Option<&str> {
+        match self {
+            Outcome::Route { rule, .. } => Some(rule),
+            Outcome::Reject { rule, .. } => rule.as_deref(),
+        }
+    }
+
+    /// `Local`, `Provider` or `Reject`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::Route {
+                kind: CandidateType::Local,
+                ..
+            } => "Local",
+            Outcome::Route {
+                kind: CandidateType::Provider,
+                ..
+            } => "Provider",
+            Outcome::Reject { .. } => "Reject",
+        }
+    }
+
+    pub fn cost(&self) -> Option<f64> {
+        match self {
+            Outcome::Route { cost, .. } => *cost,
+            Outcome::Reject { .. } => None,
+        }
+    }
+}
+
+impl DecisionRecord {
+    /// The record of `decision`, with the request's client values redacted.
+    pub fn new(
+        time: String,
+        policy: &CompiledPolicy,
+        request: &Request,
+        tags: &Tags,
+        candidates: Vec<Candidate>,
+        decision: &Decision,
+    ) -> Self {
+        DecisionRecord {
+            decision: Outcome::of(policy, decision, &candidates),
+            time,
+            policy_hash: policy.hash.clone(),
+            request: request.redacted(),
+            tags: tags.tags.clone(),
+            candidates,
+        }
+    }
+
+    /// One line of a decision log, as strictly as the explain inputs.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        struct Raw {
+            time: String,
+            policy_hash: String,
+            request: Request,
+            #[serde(default)]
+            tags: Vec<String>,
+            candidates: serde_json::Value,
+            decision: Outcome,
+        }
+        let raw: Raw = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        Ok(DecisionRecord {
+            time: raw.time,
+            policy_hash: raw.policy_hash,
+            request: raw.request,
+            tags: raw.tags,
+            candidates: parse_candidates(raw.candidates)?,
+            decision: raw.decision,
+        })
+    }
+}
+
+/// `policy` for deciding recorded (redacted) requests: literals that tenant,
+/// LoRA and header predicates compare for equality are digested the way
+/// records show the values, so `tenant: alice` still matches alice's
+/// records. Prefix and regex tests on those attributes cannot be decided
+/// from a digest; [`undecidable_predicates`] counts them.
+pub fn for_recorded_requests(policy: &CompiledPolicy) -> CompiledPolicy {
+    let mut out = policy.clone();
+    for rule in &mut out.rules {
+        rule.matches.iter_mut().flatten().for_each(digest_literals);
+        for exclude in &mut rule.route.exclude {
+            exclude.when.iter_mut().flatten().for_each(digest_literals);
+        }
+    }
+    out
+}
+
+/// How many request predicates of `policy` test a redacted value with a
+/// prefix or a regex, which replay cannot decide.
+pub fn undecidable_predicates(policy: &CompiledPolicy) -> usize {
+    policy
+        .rules
+        .iter()
+        .flat_map(|r| {
+            let excludes = r.route.exclude.iter().filter_map(|e| e.when.as_ref());
+            r.matches.iter().chain(excludes).flatten().flatten()
+        })
+        .filter(|p| is_digested(&p.attr) && matches!(p.test, Test::Prefix(_) | Test::Regex(_)))
+        .count()
+}
+
+fn is_digested(attr: &RequestAttr) -> bool {
+    matches!(
+        attr,
+        RequestAttr::Tenant | RequestAttr::Lora | RequestAttr::Header(_)
+    )
+}
+
+fn digest_literals(entry: &mut Conjunction<RequestAttr>) {
+    for p in entry.iter_mut().filter(|p| is_digested(&p.attr)) {
+        if let Test::OneOf(values) | Test::NotIn(values) = &mut p.test {
+            for v in values.iter_mut() {
+                if let Value::Text(t) = v {
+                    *t = digest(t);
+                }
+            }
+        }
+    }
+}
+
+/// Decides `record` again under `policy` (made by [`for_recorded_requests`]).
+/// `seed` drives `tieBreak: Random`; the same seed for two policies makes
+/// the same choice among the same tie.
+pub fn replay(policy: &CompiledPolicy, record: &DecisionRecord, seed: u64) -> Outcome {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let tags = &record.tags;
+    // Tags a classifier emitted are in the record; one that did not run
+    // emits nothing, as when it times out.
+    let (decision, _) = evaluate_with(
+        policy,
+        &record.request,
+        &record.candidates,
+        &mut rng,
+        &mut NoTrace,
+        |c| {
+            let emits = &policy.classifiers[c].tags;
+            tags.iter().filter(|t| emits.contains(t)).cloned().collect()
+        },
+    );
+    Outcome::of(policy, &decision, &record.candidates)
+}
+
+/// How two policies decide the same records.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct DiffSummary {
+    pub records: usize,
+    pub changed: usize,
+    /// `(old rule → new rule, old kind → new kind)` → record indices.
+    pub groups: BTreeMap<(String, String), Vec<usize>>,
+    pub old: Totals,
+    pub new: Totals,
+}
+
+/// Outcome counts and the summed expected cost of one policy's decisions.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Totals {
+    pub local: usize,
+    pub provider: usize,
+    pub reject: usize,
+    pub cost: f64,
+}
+
+impl Totals {
+    fn add(&mut self, outcome: &Outcome) {
+        match outcome.kind() {
+            "Local" => self.local += 1,
+            "Provider" => self.provider += 1,
+            _ => self.reject += 1,
+        }
+        self.cost += outcome.cost().unwrap_or(0.0);
+    }
+}
+
+/// Replays every record under both policies (each made by
+/// [`for_recorded_requests`]) with the same seed per record.
+pub fn diff(old: &CompiledPolicy, new: &CompiledPolicy, records: &[DecisionRecord]) -> DiffSummary {
+    let mut summary = DiffSummary {
+        records: records.len(),
+        ..DiffSummary::default()
+    };
+    for (i, record) in records.iter().enumerate() {
+        let seed = i as u64;
+        let before = replay(old, record, seed);
+        let after = replay(new, record, seed);
+        summary.old.add(&before);
+        summary.new.add(&after);
+        if before != after {
+            summary.changed += 1;
+            let rules = format!(
+                "{} → {}",
+                before.rule().unwrap_or("-"),
+                after.rule().unwrap_or("-")
+            );
+            let kinds = format!("{} → {}", before.kind(), after.kind());
+            summary.groups.entry((rules, kinds)).or_default().push(i);
+        }
+    }
+    summary
+}
