@@ -18,14 +18,7 @@ pub fn run(
     json: bool,
     seed: u64,
 ) -> anyhow::Result<bool> {
-    let text = read(policy)?;
-    let compiled = compile_text(&text).map_err(|errors| {
-        let lines: Vec<_> = errors
-            .iter()
-            .map(|e| format!("{}: {e}", policy.display()))
-            .collect();
-        anyhow::anyhow!("the policy does not compile:\n{}", lines.join("\n"))
-    })?;
+    let compiled = compile_file(policy)?;
     let (request, tags) = read_request(request)?;
     check_tags(&compiled, &tags)?;
     let candidates = parse_candidates(read_value(candidates)?)
@@ -214,6 +207,17 @@ fn list(items: &[String]) -> String {
     } else {
         items.join(", ")
     }
+}
+
+/// The policy in `path`, or every compile error with the file's name.
+pub fn compile_file(path: &Path) -> anyhow::Result<CompiledPolicy> {
+    compile_text(&read(path)?).map_err(|errors| {
+        let lines: Vec<_> = errors
+            .iter()
+            .map(|e| format!("{}: {e}", path.display()))
+            .collect();
+        anyhow::anyhow!("the policy does not compile:\n{}", lines.join("\n"))
+    })
 }
 
 fn read(path: &Path) -> anyhow::Result<String> {

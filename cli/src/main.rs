@@ -1,10 +1,12 @@
-//! `kinference`: lint and explain policies, print the CRDs, run the demo.
+//! `kinference`: lint, test, explain, replay and diff policies, print the
+//! CRDs, run the demo.
 #![forbid(unsafe_code)]
 
 mod demo;
 mod explain;
 mod lint;
 mod policy_tests;
+mod replay;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,6 +62,24 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Decide every record of an EPP decision log again under a policy and
+    /// report which decisions change, grouped, with examples and cost.
+    Replay {
+        #[arg(long)]
+        policy: PathBuf,
+        /// JSON lines written by the EPP's `--decision-log`.
+        #[arg(long)]
+        log: PathBuf,
+    },
+    /// Replay a decision log under two policies and report what changes
+    /// between them: decisions by (rule, destination kind), examples, the
+    /// local and provider shares and the expected cost.
+    Diff {
+        old: PathBuf,
+        new: PathBuf,
+        #[arg(long)]
+        log: PathBuf,
+    },
     /// Print what a cluster admin installs once (equal to the committed
     /// crds/): the CustomResourceDefinition and the ValidatingAdmissionPolicy
     /// that bounds its predicates.
@@ -90,6 +110,10 @@ enum Command {
         /// Seed of the sample workload.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Write the EPP's decision log here (JSON lines, as the EPP's
+        /// `--decision-log` does), for `kinference replay` and `diff`.
+        #[arg(long, value_name = "PATH")]
+        decision_log: Option<PathBuf>,
         /// Print the embedded default policy and exit.
         #[arg(long)]
         print_policy: bool,
@@ -127,6 +151,8 @@ fn main() -> ExitCode {
             matches!(output, Output::Json),
             seed,
         ),
+        Command::Replay { policy, log } => replay::run_replay(&policy, &log),
+        Command::Diff { old, new, log } => replay::run_diff(&old, &new, &log),
         Command::Crds { dir } => write_crds(dir.as_deref()),
         Command::Demo {
             print_policy: true, ..
@@ -141,6 +167,7 @@ fn main() -> ExitCode {
             quick,
             time_scale,
             seed,
+            decision_log,
             print_policy: false,
         } => demo::run(demo::Options {
             requests,
@@ -149,6 +176,7 @@ fn main() -> ExitCode {
             quick,
             time_scale,
             seed,
+            decision_log,
         }),
     };
     match result {

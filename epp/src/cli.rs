@@ -93,12 +93,29 @@ pub struct Args {
     /// handshake. Needs `--secure-serving` (the default). Read at start.
     #[arg(long, value_name = "PATH")]
     pub client_ca_file: Option<PathBuf>,
+    /// Write a decision log: one JSON line per sampled decision (the
+    /// request attributes the policy reads, client values digested as in
+    /// /debug/explain, the tags, the candidates and the outcome; never
+    /// prompt text), for `kinference replay` and `kinference diff`. A file
+    /// path (appended to), or `-` for standard output. Off by default.
+    #[arg(long, value_name = "PATH")]
+    pub decision_log: Option<String>,
+    /// The share of decisions written to the decision log, 0 to 1.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_share)]
+    pub decision_log_sample: f64,
     // `--log-format json|text`, the same flag as the operator's.
     #[command(flatten)]
     pub logs: LogArgs,
     /// Deprecated alias of `--log-format=text`.
     #[arg(long, hide = true, default_value_t = false)]
     pub text_logs: bool,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a share between 0 and 1")),
+    }
 }
 
 impl Args {

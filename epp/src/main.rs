@@ -10,6 +10,7 @@ use kinference_epp::cli::Args;
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
+use kinference_epp::picker::{DecisionLog, LogTarget};
 use kinference_epp::server::{Epp, Settings, bind};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
@@ -58,6 +59,14 @@ async fn main() -> anyhow::Result<()> {
                 Duration::from_secs(2),
             ))
         });
+    }
+    if let Some(target) = &args.decision_log {
+        let target = LogTarget::parse(target);
+        let dropped = epp.picker.metrics.decision_log_dropped();
+        let log = DecisionLog::start(&target, args.decision_log_sample, dropped)
+            .with_context(|| format!("opening the decision log {target:?}"))?;
+        let _ = epp.picker.decision_log.set(log);
+        tracing::info!(target = ?target, sample = args.decision_log_sample, "writing a decision log");
     }
     if let Some(path) = &args.endpoints_file {
         let endpoints =

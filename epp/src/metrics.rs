@@ -228,6 +228,18 @@ impl Metrics {
         );
     }
 
+    /// A counter served as `kinference_epp_decision_log_dropped_total`.
+    pub fn decision_log_dropped(&self) -> Counter {
+        let counter = Counter::default();
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        registry.register(
+            "decision_log_dropped",
+            "Decision-log records dropped because the writer fell behind",
+            counter.clone(),
+        );
+        counter
+    }
+
     /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].
     pub fn streams_open(&self) -> &Gauge {
         &self.streams_open

@@ -805,3 +805,65 @@ async fn with_the_epp_down_requests_fail_closed_and_recover() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// alice's requests prefer `a`, everyone else's `b`.
+const BY_TENANT: &str = "rules:
+  - name: alice-on-a
+    matches: [{ tenant: alice }]
+    route: { select: [{ type: Local, order: [a, b] }] }
+  - name: rest-on-b
+    route: { select: [{ type: Local, order: [b, a] }] }
+";
+
+/// With a decision log, each decision made behind Envoy is one JSON line
+/// that holds no prompt and no tenant in the clear, reads back, and replays
+/// under the same policy to the decision the EPP made.
+#[tokio::test]
+async fn the_decision_log_replays_to_the_decisions_made_behind_envoy() {
+    use kinference_epp::picker::{DecisionLog, LogTarget};
+    use kinference_policy::eval::{DecisionRecord, Outcome, for_recorded_requests, replay};
+
+    let stack = Stack::start(Setup::new(Template::Streamed, BY_TENANT, ab())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("decisions.jsonl");
+    let log = DecisionLog::start(&LogTarget::File(path.clone()), 1.0, Default::default()).unwrap();
+    assert!(stack.epp.picker.decision_log.set(log).is_ok());
+    let sent = [("alice", "a"), ("bob", "b"), ("alice", "a")];
+    for (tenant, pod) in sent {
+        let answer = stack
+            .chat(
+                "qwen",
+                "the private prompt",
+                &[("x-kinference-tenant", tenant)],
+            )
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+        assert_eq!(answer.served_by.as_deref(), Some(pod));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if text.lines().count() == sent.len() {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} records:\n{text}",
+            text.lines().count()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!text.contains("private prompt"), "{text}");
+    assert!(!text.contains("\"alice\""), "{text}");
+
+    let policy = stack.epp.policy().current().expect("a policy");
+    let replayable = for_recorded_requests(&policy.compiled);
+    for ((_, pod), line) in sent.iter().zip(text.lines()) {
+        let record = DecisionRecord::parse(line).unwrap();
+        let Outcome::Route { candidate, .. } = &record.decision else {
+            panic!("not routed: {line}");
+        };
+        assert_eq!(candidate, &format!("{pod}:qwen"));
+        assert_eq!(replay(&replayable, &record, 0), record.decision, "{line}");
+    }
+}

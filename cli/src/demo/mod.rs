@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::RULE_HEADER;
+use kinference_epp::picker::{DecisionLog, LogTarget};
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{self, AccessRecord, Bootstrap, Envoy, Template};
@@ -56,6 +57,7 @@ pub struct Options {
     pub quick: bool,
     pub time_scale: Option<f64>,
     pub seed: u64,
+    pub decision_log: Option<PathBuf>,
 }
 
 /// Runs the demo; `Ok(false)` when some request failed for a reason other
@@ -199,6 +201,14 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         ..Settings::default()
     });
     epp.policy().install(compiled.clone());
+    if let Some(path) = &options.decision_log {
+        // Truncated: a demo run's log holds that run's decisions only.
+        std::fs::write(path, "").with_context(|| format!("creating {}", path.display()))?;
+        let target = LogTarget::File(path.clone());
+        let log = DecisionLog::start(&target, 1.0, Default::default())
+            .with_context(|| format!("opening {}", path.display()))?;
+        let _ = epp.picker.decision_log.set(log);
+    }
     let specs = servers
         .iter()
         .filter(|s| !s.provider)

@@ -159,7 +159,11 @@ fn a_diff_groups_the_changed_decisions_and_sums_their_cost() {
     );
     assert_eq!(summary.records, 4);
     assert_eq!(summary.changed, 2);
-    let groups: Vec<_> = summary.groups.iter().collect();
+    let groups: Vec<_> = summary
+        .groups
+        .iter()
+        .map(|(k, g)| (k, (g.count, g.examples.clone())))
+        .collect();
     assert_eq!(
         groups,
         [(
@@ -167,7 +171,7 @@ fn a_diff_groups_the_changed_decisions_and_sums_their_cost() {
                 "alice-local → rest".to_string(),
                 "Local → Provider".to_string()
             ),
-            &vec![1, 2]
+            (2, vec![1, 2])
         )]
     );
     assert_eq!((summary.old.local, summary.old.provider), (3, 1));

@@ -3,6 +3,7 @@
 //! a pick. Everything here is shared by all streams.
 
 mod candidates;
+mod decision_log;
 mod providers;
 mod recent;
 
@@ -11,12 +12,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kinference_policy::duration::parse_duration;
-use kinference_policy::eval::{Decision, Evaluation, NoTrace, Request, Tags, evaluate};
+use kinference_policy::eval::{
+    Decision, DecisionRecord, Evaluation, NoTrace, Request, Tags, evaluate,
+};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 pub use crate::extproc::router::Incoming;
 pub use candidates::CandidateSet;
+pub use decision_log::{DecisionLog, LogTarget};
 pub use providers::ProviderStates;
 pub use recent::{RecentDecisions, RecordedDecision};
 
@@ -60,6 +64,8 @@ pub struct Picker {
     pub classifiers: ClassifierRunner,
     pub metrics: Arc<Metrics>,
     pub recent: RecentDecisions,
+    /// `--decision-log`, set once at start.
+    pub decision_log: std::sync::OnceLock<DecisionLog>,
     pub config: PickerConfig,
     /// API keys of providers, by provider name.
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
@@ -134,6 +140,7 @@ impl Picker {
             classifiers: ClassifierRunner::default(),
             metrics,
             recent: RecentDecisions::new(64),
+            decision_log: std::sync::OnceLock::new(),
             config,
             provider_keys: Default::default(),
         }
@@ -178,6 +185,18 @@ impl Picker {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
             local.prefix_hashes = hashes;
+        }
+        if let Some(log) = self.decision_log.get() {
+            log.offer(|| {
+                DecisionRecord::new(
+                    k8s_openapi::jiff::Timestamp::now().to_string(),
+                    &policy.compiled,
+                    &request,
+                    &tags,
+                    set.candidates.clone(),
+                    &decision,
+                )
+            });
         }
         self.recent.push(RecordedDecision {
             at: std::time::SystemTime::now(),

@@ -15,8 +15,8 @@ pub use input::{
     parse_candidates,
 };
 pub use record::{
-    DecisionRecord, DiffSummary, Outcome, Totals, diff, for_recorded_requests, replay,
-    undecidable_predicates,
+    DecisionRecord, DiffSummary, EXAMPLES_PER_GROUP, Group, Outcome, Totals, diff,
+    for_recorded_requests, replay, undecidable_predicates,
 };
 pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use select::Picked;

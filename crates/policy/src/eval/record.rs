@@ -222,18 +222,30 @@ pub fn replay(policy: &CompiledPolicy, record: &DecisionRecord, seed: u64) -> Ou
     Outcome::of(policy, &decision, &record.candidates)
 }
 
-/// How two policies decide the same records.
+/// How two deciders (two policies, or the log and a policy) decide the same
+/// records. Built one record at a time, so a log of any length takes bounded
+/// memory.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct DiffSummary {
     pub records: usize,
     pub changed: usize,
-    /// `(old rule → new rule, old kind → new kind)` → record indices.
-    pub groups: BTreeMap<(String, String), Vec<usize>>,
+    /// `(old rule → new rule, old kind → new kind)` → the changed records.
+    pub groups: BTreeMap<(String, String), Group>,
     pub old: Totals,
     pub new: Totals,
 }
 
-/// Outcome counts and the summed expected cost of one policy's decisions.
+/// The records of one kind of change.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Group {
+    pub count: usize,
+    /// Indices of the first [`EXAMPLES_PER_GROUP`] records.
+    pub examples: Vec<usize>,
+}
+
+pub const EXAMPLES_PER_GROUP: usize = 3;
+
+/// Outcome counts and the summed expected cost of one side's decisions.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Totals {
     pub local: usize,
@@ -253,29 +265,40 @@ impl Totals {
     }
 }
 
+impl DiffSummary {
+    /// Counts record `index`, decided `before` and `after`. Returns whether
+    /// it became an example of its group.
+    pub fn add(&mut self, index: usize, before: &Outcome, after: &Outcome) -> bool {
+        self.records += 1;
+        self.old.add(before);
+        self.new.add(after);
+        if before == after {
+            return false;
+        }
+        self.changed += 1;
+        let rules = format!(
+            "{} → {}",
+            before.rule().unwrap_or("-"),
+            after.rule().unwrap_or("-")
+        );
+        let kinds = format!("{} → {}", before.kind(), after.kind());
+        let group = self.groups.entry((rules, kinds)).or_default();
+        group.count += 1;
+        let example = group.examples.len() < EXAMPLES_PER_GROUP;
+        if example {
+            group.examples.push(index);
+        }
+        example
+    }
+}
+
 /// Replays every record under both policies (each made by
 /// [`for_recorded_requests`]) with the same seed per record.
 pub fn diff(old: &CompiledPolicy, new: &CompiledPolicy, records: &[DecisionRecord]) -> DiffSummary {
-    let mut summary = DiffSummary {
-        records: records.len(),
-        ..DiffSummary::default()
-    };
+    let mut summary = DiffSummary::default();
     for (i, record) in records.iter().enumerate() {
         let seed = i as u64;
-        let before = replay(old, record, seed);
-        let after = replay(new, record, seed);
-        summary.old.add(&before);
-        summary.new.add(&after);
-        if before != after {
-            summary.changed += 1;
-            let rules = format!(
-                "{} → {}",
-                before.rule().unwrap_or("-"),
-                after.rule().unwrap_or("-")
-            );
-            let kinds = format!("{} → {}", before.kind(), after.kind());
-            summary.groups.entry((rules, kinds)).or_default().push(i);
-        }
+        summary.add(i, &replay(old, record, seed), &replay(new, record, seed));
     }
     summary
 }
