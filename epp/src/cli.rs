@@ -93,6 +93,14 @@ pub struct Args {
     /// handshake. Needs `--secure-serving` (the default). Read at start.
     #[arg(long, value_name = "PATH")]
     pub client_ca_file: Option<PathBuf>,
+    /// Debug: tell the gateway why each request went where it went (the
+    /// rule, the tier, the winner's and the runner-up's objective values,
+    /// and a reason per candidate left behind), as `envoy.lb` metadata
+    /// `x-kinference-decision-detail` on a routed request (for the access
+    /// log) and as that response header on a reject. Costs a traced
+    /// evaluation per request; shows endpoint names to whoever sees rejects.
+    #[arg(long, default_value_t = false)]
+    pub decision_detail: bool,
     /// Write a decision log: one JSON line per sampled decision (the
     /// request attributes the policy reads, client values digested as in
     /// /debug/explain, the tags, the candidates and the outcome; never

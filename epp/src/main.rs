@@ -10,7 +10,7 @@ use kinference_epp::cli::Args;
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
-use kinference_epp::picker::{DecisionLog, LogTarget};
+use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::server::{Epp, Settings, bind};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
@@ -34,6 +34,10 @@ async fn main() -> anyhow::Result<()> {
             fallbacks: args.fallback_endpoints,
             idle_timeout: args.stream_idle_timeout,
             body_budget_bytes: args.max_buffered_body_bytes,
+        },
+        picker: PickerConfig {
+            decision_detail: args.decision_detail,
+            ..PickerConfig::default()
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         secure_serving: args.secure_serving,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::ExtProcConfig;
+use kinference_epp::picker::PickerConfig;
 use kinference_epp::predict::DestSnapshot;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
@@ -56,6 +57,8 @@ struct Setup {
     subset: Option<Vec<usize>>,
     /// `Template::Fallback` with a `BUFFERED` body.
     buffered_fallback: bool,
+    /// `--decision-detail`.
+    decision_detail: bool,
 }
 
 impl Setup {
@@ -71,6 +74,7 @@ impl Setup {
             response_header_mode: None,
             subset: None,
             buffered_fallback: false,
+            decision_detail: false,
         }
     }
 }
@@ -129,6 +133,10 @@ impl Stack {
                 max_body_bytes: setup.max_body_bytes,
                 conformance_hooks: false,
                 ..ExtProcConfig::default()
+            },
+            picker: PickerConfig {
+                decision_detail: setup.decision_detail,
+                ..PickerConfig::default()
             },
             scrape_interval: Duration::from_millis(20),
             secure_serving: true,
@@ -866,4 +874,87 @@ async fn the_decision_log_replays_to_the_decisions_made_behind_envoy() {
         assert_eq!(candidate, &format!("{pod}:qwen"));
         assert_eq!(replay(&replayable, &record, 0), record.decision, "{line}");
     }
+}
+
+/// `b` is excluded; whatever is not `qwen` is shed.
+const DETAILED: &str = "rules:
+  - name: not-b
+    matches: [{ model: qwen }]
+    route:
+      exclude: [{ drop: { backend.name: b } }]
+      select: [{ type: Local, minimize: RunningRequests }]
+  - name: shed
+    route:
+      exclude: [{ drop: { type: Local } }]
+      select: [{ minimize: RunningRequests }]
+      reject: { status: 429, message: busy }
+";
+
+/// The detail of the routed `qwen` request: `b` excluded, `a` won.
+fn check_routed_detail(detail: &str) {
+    let detail: Value = serde_json::from_str(detail).unwrap();
+    assert_eq!(detail["rule"], "not-b", "{detail}");
+    assert_eq!(detail["tier"], 0, "{detail}");
+    assert_eq!(detail["objective"], "minimize RunningRequests", "{detail}");
+    assert_eq!(detail["winner"][0], "a:qwen", "{detail}");
+    assert_eq!(
+        detail["dropped"],
+        json!([["b:qwen", "exclude[0].drop[0]"]]),
+        "{detail}"
+    );
+}
+
+async fn post_chat(stack: &Stack, model: &str, id: &str) -> reqwest::Response {
+    stack
+        .http
+        .post(stack.envoy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(chat(model, "hello"))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// With `--decision-detail`, the client sees why its request went where it
+/// went (a response header, where the gateway sends response headers to the
+/// EPP), the gateway's access log can show it (`envoy.lb` metadata, where
+/// the gateway accepts that namespace), and a reject carries it as a
+/// header in every mode. Without the flag, none of it appears.
+#[tokio::test]
+async fn decision_detail_reaches_the_client_the_access_log_and_the_reject() {
+    for template in [Template::Streamed, Template::Buffered, Template::Fallback] {
+        let stack = Stack::start(Setup {
+            decision_detail: true,
+            ..Setup::new(template, DETAILED, ab())
+        })
+        .await;
+        let id = format!("detail-{template:?}");
+        let routed = post_chat(&stack, "qwen", &id).await;
+        assert_eq!(routed.status().as_u16(), 200, "{template:?}");
+        let shown = header(&routed, "x-kinference-decision-detail");
+        let logged = stack.access(&id).await.decision_detail;
+        match template {
+            // Response headers go to the EPP (FULL_DUPLEX_STREAMED).
+            Template::Streamed => check_routed_detail(&shown.expect("a detail header")),
+            // The envoy.lb namespace is accepted from ext_proc.
+            Template::Fallback => check_routed_detail(&logged.expect("a logged detail")),
+            // Response headers skipped, envoy.lb not accepted: nowhere to show it.
+            _ => assert_eq!((shown, logged), (None, None)),
+        }
+        let rejected = post_chat(&stack, "other", &format!("{id}-reject")).await;
+        assert_eq!(rejected.status().as_u16(), 429, "{template:?}");
+        let detail: Value = serde_json::from_str(
+            &header(&rejected, "x-kinference-decision-detail").expect("a detail on the reject"),
+        )
+        .unwrap();
+        assert_eq!(detail["rule"], "shed", "{detail}");
+        assert_eq!(detail["reject"], 429, "{detail}");
+    }
+    let plain = Stack::start(Setup::new(Template::Streamed, DETAILED, ab())).await;
+    let routed = post_chat(&plain, "qwen", "plain-1").await;
+    assert_eq!(routed.status().as_u16(), 200);
+    assert_eq!(header(&routed, "x-kinference-decision-detail"), None);
+    let rejected = post_chat(&plain, "other", "plain-2").await;
+    assert_eq!(header(&rejected, "x-kinference-decision-detail"), None);
 }

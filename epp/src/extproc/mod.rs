@@ -32,6 +32,9 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Headers the EPP adds for observability.
 pub const RULE_HEADER: &str = "x-kinference-rule";
+/// `--decision-detail`: why the request went where it went. An `envoy.lb`
+/// metadata key on a routed request, a response header on a reject.
+pub const DECISION_DETAIL: &str = "x-kinference-decision-detail";
 pub const MODEL_HEADER: &str = "x-kinference-model";
 /// A TTFT a gateway or the model server measured, reported on the response;
 /// without it the EPP times from its decision to the response headers.

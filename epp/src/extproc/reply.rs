@@ -12,7 +12,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
 use super::body;
 use super::router::{LocalRoute, ProviderRoute, Route};
-use super::{DESTINATION_ENDPOINT, MODEL_HEADER, RULE_HEADER};
+use super::{DECISION_DETAIL, DESTINATION_ENDPOINT, MODEL_HEADER, RULE_HEADER};
 
 /// Client headers that carry credentials; removed before a provider call.
 const CLIENT_CREDENTIAL_HEADERS: &[&str] = &[
@@ -43,7 +43,14 @@ pub fn answer(route: &Route, exchange: Exchange<'_>) -> Vec<ProcessingResponse> 
             rule,
             status,
             message,
-        } => return vec![reject(rule.as_deref(), *status, message)],
+            detail,
+        } => {
+            let mut answer = reject(rule.as_deref(), *status, message);
+            if let Some(detail) = detail {
+                add_immediate_header(&mut answer, DECISION_DETAIL, detail);
+            }
+            return vec![answer];
+        }
         Route::Local(local) => local_mutation(local, exchange),
         Route::Provider(provider) => provider_mutation(provider, exchange),
     };
@@ -84,10 +91,13 @@ fn local_mutation(local: &LocalRoute, exchange: Exchange<'_>) -> Mutation {
         ],
         // A client must not steer itself to a paid provider.
         remove_headers: vec![kinference_api::DESTINATION_HEADER.into()],
-        lb_metadata: vec![(
+        lb_metadata: [(
             DESTINATION_ENDPOINT.into(),
             local.addresses[..listed].join(","),
-        )],
+        )]
+        .into_iter()
+        .chain(detail_metadata(local.detail.as_ref()))
+        .collect(),
         body: rewritten(exchange.body, local.rewrite_model.as_deref()),
     }
 }
@@ -115,9 +125,18 @@ fn provider_mutation(provider: &ProviderRoute, exchange: Exchange<'_>) -> Mutati
     Mutation {
         set_headers,
         remove_headers,
-        lb_metadata: vec![],
+        lb_metadata: detail_metadata(provider.detail.as_ref()).collect(),
         body: rewritten(exchange.body, provider.rewrite_model.as_deref()),
     }
+}
+
+/// The decision detail as `envoy.lb` metadata, for the gateway's access
+/// log (`%DYNAMIC_METADATA(envoy.lb:x-kinference-decision-detail)%`): the
+/// client never sees it, an operator can.
+fn detail_metadata(detail: Option<&String>) -> impl Iterator<Item = (String, String)> {
+    detail
+        .map(|d| (DECISION_DETAIL.to_string(), d.clone()))
+        .into_iter()
 }
 
 fn rewritten(original: &[u8], model: Option<&str>) -> Option<Vec<u8>> {

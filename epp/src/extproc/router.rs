@@ -32,6 +32,8 @@ pub enum Route {
         rule: Option<String>,
         status: u16,
         message: String,
+        /// The decision detail (`--decision-detail`), compact JSON.
+        detail: Option<String>,
     },
 }
 
@@ -43,6 +45,8 @@ pub struct LocalRoute {
     pub addresses: Vec<String>,
     /// Set when the body's model must change.
     pub rewrite_model: Option<String>,
+    /// The decision detail (`--decision-detail`), compact JSON.
+    pub detail: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +59,8 @@ pub struct ProviderRoute {
     /// `Bearer` key to send; `None` when the provider needs none. A provider
     /// that needs a key the EPP does not hold is a [`Route::Reject`].
     pub api_key: Option<String>,
+    /// The decision detail (`--decision-detail`), compact JSON.
+    pub detail: Option<String>,
 }
 
 /// What the response path showed, reported once per routed request.

@@ -34,6 +34,8 @@ const FULL_DUPLEX_STREAMED: i32 = 4;
 struct Routed<T> {
     ticket: T,
     completed: bool,
+    /// `--decision-detail`, returned as a response header.
+    detail: Option<String>,
 }
 
 pub struct Session<R: Router> {
@@ -289,9 +291,15 @@ impl<R: Router> Session<R> {
             })
             .await;
         record_route(&route);
+        let detail = match &route {
+            Route::Local(l) => l.detail.clone(),
+            Route::Provider(p) => p.detail.clone(),
+            Route::Reject { .. } => None,
+        };
         self.routed = ticket.map(|ticket| Routed {
             ticket,
             completed: false,
+            detail,
         });
         let replies = reply::answer(
             &route,
@@ -342,14 +350,22 @@ impl<R: Router> Session<R> {
             };
             self.router.complete(&mut routed.ticket, facts);
         }
-        let mut answer = reply::continue_response_headers();
+        let mut set_headers = Vec::new();
         if self.config.conformance_hooks
             && let Some(served) = served
+        {
+            set_headers.push(super::reply::header_option(TEST_SERVED_HEADER, &served));
+        }
+        if let Some(detail) = self.routed.as_ref().and_then(|r| r.detail.as_deref()) {
+            set_headers.push(super::reply::header_option(super::DECISION_DETAIL, detail));
+        }
+        let mut answer = reply::continue_response_headers();
+        if !set_headers.is_empty()
             && let Some(Reply::ResponseHeaders(HeadersResponse { response })) = &mut answer.response
         {
             *response = Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
-                    set_headers: vec![super::reply::header_option(TEST_SERVED_HEADER, &served)],
+                    set_headers,
                     remove_headers: vec![],
                 }),
                 ..CommonResponse::default()
@@ -572,6 +588,7 @@ mod tests {
             model: "m".into(),
             addresses: vec!["10.0.0.1:8000".into(), "10.0.0.2:8000".into()],
             rewrite_model: None,
+            detail: None,
         })
     }
 
@@ -964,6 +981,7 @@ mod tests {
             rule: Some("shed".into()),
             status: 429,
             message: "busy".into(),
+            detail: None,
         });
         let replies = exchange(
             &router,

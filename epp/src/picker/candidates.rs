@@ -145,6 +145,7 @@ impl CandidateSet {
                 rule: r.rule.map(|i| compiled.rules[i].name.clone()),
                 status: r.status,
                 message: r.message.clone(),
+                detail: None,
             },
             Decision::Route(routed) => {
                 let rule = compiled.rules[routed.rule].name.clone();
@@ -168,6 +169,7 @@ impl CandidateSet {
                         state: Arc::clone(&self.states[routed.winner]),
                         features: self.features[routed.winner],
                         prefix_hashes: Vec::new(),
+                        detail: None,
                     }),
                     CandidateType::Provider => {
                         let provider = winner.endpoint.clone();
@@ -192,6 +194,7 @@ impl CandidateSet {
                             model: winner.model.clone(),
                             provider,
                             state: Arc::clone(&self.states[routed.winner]),
+                            detail: None,
                         })
                     }
                 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kinference_policy::duration::parse_duration;
 use kinference_policy::eval::{
-    Decision, DecisionRecord, Evaluation, NoTrace, Request, Tags, evaluate,
+    Decision, DecisionRecord, Evaluation, NoTrace, Request, Tags, decision_detail, evaluate,
 };
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -43,6 +43,8 @@ pub struct PickerConfig {
     pub block_chars: usize,
     /// Output tokens assumed for `Cost` when the request sets no max tokens.
     pub default_output_tokens: u64,
+    /// `--decision-detail`: attach why each request went where it went.
+    pub decision_detail: bool,
 }
 
 impl Default for PickerConfig {
@@ -50,6 +52,7 @@ impl Default for PickerConfig {
         PickerConfig {
             block_chars: crate::predict::DEFAULT_BLOCK_CHARS,
             default_output_tokens: 256,
+            decision_detail: false,
         }
     }
 }
@@ -71,6 +74,17 @@ pub struct Picker {
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
 }
 
+impl Pick {
+    fn set_detail(&mut self, value: String) {
+        let detail = match self {
+            Pick::Local(l) => &mut l.detail,
+            Pick::Provider(p) => &mut p.detail,
+            Pick::Reject { detail, .. } => detail,
+        };
+        *detail = Some(value);
+    }
+}
+
 /// Where the request goes.
 #[derive(Debug)]
 pub enum Pick {
@@ -80,6 +94,7 @@ pub enum Pick {
         rule: Option<String>,
         status: u16,
         message: String,
+        detail: Option<String>,
     },
 }
 
@@ -99,6 +114,8 @@ pub struct LocalPick {
     pub features: Option<TtftFeatures>,
     /// The prompt's prefix block hashes, to record once the answer is sent.
     pub prefix_hashes: Vec<u64>,
+    /// The decision detail (`--decision-detail`), compact JSON.
+    pub detail: Option<String>,
 }
 
 #[derive(Debug)]
@@ -110,6 +127,8 @@ pub struct ProviderPick {
     pub rewrite_model: Option<String>,
     pub credential: ProviderCredential,
     pub state: Arc<DestinationState>,
+    /// The decision detail (`--decision-detail`), compact JSON.
+    pub detail: Option<String>,
 }
 
 /// What the request to a provider authenticates with. The client's own
@@ -155,6 +174,7 @@ impl Picker {
                 rule: None,
                 status: 503,
                 message: "the endpoint picker has no policy loaded yet".into(),
+                detail: None,
             };
         };
         let request = self.request_attributes(&policy, incoming);
@@ -163,6 +183,7 @@ impl Picker {
                 rule: None,
                 status: 400,
                 message: "the request names no model (body field `model`)".into(),
+                detail: None,
             };
         }
         let mut hashes = Vec::new();
@@ -185,6 +206,11 @@ impl Picker {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
             local.prefix_hashes = hashes;
+        }
+        if self.config.decision_detail {
+            // A second, traced evaluation with the decision's own seed: debug only.
+            let detail = decision_detail(&policy.compiled, &request, &tags, &set.candidates, seed);
+            pick.set_detail(detail);
         }
         if let Some(log) = self.decision_log.get() {
             log.offer(|| {
@@ -341,11 +367,13 @@ impl Router for Picker {
                 rule,
                 status,
                 message,
+                detail,
             } => (
                 Route::Reject {
                     rule,
                     status,
                     message,
+                    detail,
                 },
                 None,
             ),
@@ -364,6 +392,7 @@ impl Router for Picker {
                     model: local.model,
                     addresses: local.addresses,
                     rewrite_model: local.rewrite_model,
+                    detail: local.detail,
                 });
                 (route, Some(ticket))
             }
@@ -384,6 +413,7 @@ impl Router for Picker {
                             rule: Some(p.rule),
                             status: 503,
                             message,
+                            detail: p.detail,
                         };
                         return (route, None);
                     }
@@ -395,6 +425,7 @@ impl Router for Picker {
                     model: p.model,
                     rewrite_model: p.rewrite_model,
                     api_key,
+                    detail: p.detail,
                 });
                 (route, Some(ticket))
             }

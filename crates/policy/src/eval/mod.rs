@@ -1,6 +1,7 @@
 //! Rule evaluation: match → consider → exclude → tiered select → tieBreak /
 //! onEmpty, over a request and a candidate set. Pure and allocation-light.
 
+mod detail;
 mod input;
 mod predicate;
 mod record;
@@ -10,6 +11,7 @@ mod trace;
 
 use rand::Rng;
 
+pub use detail::decision_detail;
 pub use input::{
     CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute,
     parse_candidates,

@@ -73,7 +73,7 @@ pub struct ClientCert {
 /// rule the EPP named (`x-kinference-rule`), and the ms from the request's
 /// start to the upstream's first response byte. `-` where a field is absent.
 /// [`super::AccessRecord`] reads it back.
-pub const ACCESS_LOG_FORMAT: &str = "%RESPONSE_CODE% %RESPONSE_FLAGS% %UPSTREAM_HOST% %REQ(X-REQUEST-ID)% %UPSTREAM_REQUEST_ATTEMPT_COUNT% %BYTES_RECEIVED% %REQ(X-GATEWAY-DESTINATION-ENDPOINT)% %DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% %REQ(X-KINFERENCE-RULE)% %RESPONSE_DURATION%";
+pub const ACCESS_LOG_FORMAT: &str = "%RESPONSE_CODE% %RESPONSE_FLAGS% %UPSTREAM_HOST% %REQ(X-REQUEST-ID)% %UPSTREAM_REQUEST_ATTEMPT_COUNT% %BYTES_RECEIVED% %REQ(X-GATEWAY-DESTINATION-ENDPOINT)% %DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% %REQ(X-KINFERENCE-RULE)% %RESPONSE_DURATION% %DYNAMIC_METADATA(envoy.lb:x-kinference-decision-detail)%";
 
 impl Bootstrap {
     pub fn new(template: Template, epp: SocketAddr) -> Self {

@@ -199,12 +199,15 @@ pub struct AccessRecord {
     pub rule: Option<String>,
     /// Request start to the upstream's first response byte.
     pub response_ms: Option<u64>,
+    /// `envoy.lb` / `x-kinference-decision-detail` (the EPP's
+    /// `--decision-detail`); last, as it may hold spaces.
+    pub decision_detail: Option<String>,
 }
 
 impl AccessRecord {
     fn parse(line: &str) -> Option<AccessRecord> {
-        let f: Vec<&str> = line.split(' ').collect();
-        if f.len() != 10 {
+        let f: Vec<&str> = line.splitn(11, ' ').collect();
+        if f.len() != 11 {
             return None;
         }
         let text = |s: &str| (s != "-").then(|| s.to_string());
@@ -219,6 +222,7 @@ impl AccessRecord {
             destination_metadata: text(f[7]),
             rule: text(f[8]),
             response_ms: f[9].parse().ok(),
+            decision_detail: text(f[10]),
         })
     }
 }

@@ -1,0 +1,94 @@
+//! The decision detail: why a request went where it went, in one line of
+//! compact JSON (the EPP's `--decision-detail`). Made from an explain trace
+//! of the same decision, so it costs a traced evaluation: debug only.
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use super::input::{Candidate, Request, Tags};
+use super::trace::Trace;
+use super::{Evaluation, evaluate};
+use crate::model::{CompiledPolicy, Rank};
+
+/// The rule and tier that decided, the winner's and the runner-up's
+/// objective values, and a reason per candidate left behind: `exclude[i].drop[j]`,
+/// `no-objective` (no value for the tier's objective: stale or missing
+/// metrics, no price) or `not-in-tier` (the tier's type or `if`). `seed`
+/// must be the decision's own, so `tieBreak: Random` picks the same.
+pub fn decision_detail(
+    policy: &CompiledPolicy,
+    request: &Request,
+    tags: &Tags,
+    candidates: &[Candidate],
+    seed: u64,
+) -> String {
+    let mut trace = Trace::redacted();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let decided = evaluate(policy, request, tags, candidates, &mut rng, &mut trace);
+    let Some(rule) = trace.rules.iter().rev().find(|r| r.matched) else {
+        return json!({ "rule": null }).to_string();
+    };
+    let index = policy.rules.iter().position(|r| r.name == rule.rule);
+    let mut dropped: Vec<Value> = rule
+        .dropped
+        .iter()
+        .map(|d| {
+            json!([
+                d.candidate,
+                format!("exclude[{}].drop[{}]", d.exclude, d.entry)
+            ])
+        })
+        .collect();
+    let mut out = json!({ "rule": rule.rule });
+    if let Some(tier) = rule
+        .tiers
+        .iter()
+        .find(|t| t.winner.is_some())
+        .or(rule.tiers.last())
+    {
+        let rank = index
+            .and_then(|i| policy.rules[i].route.select.get(tier.tier))
+            .map(|t| &t.rank);
+        for label in &tier.left_out {
+            let no_objective = match rank {
+                Some(Rank::Minimize(m) | Rank::Maximize(m)) => candidates
+                    .iter()
+                    .find(|c| &c.label() == label)
+                    .is_some_and(|c| c.metrics.get(*m).is_none()),
+                _ => false,
+            };
+            let reason = if no_objective {
+                "no-objective"
+            } else {
+                "not-in-tier"
+            };
+            dropped.push(json!([label, reason]));
+        }
+        out["tier"] = json!(tier.tier);
+        out["objective"] = json!(tier.objective);
+        // The winner is the tieBreak's pick, not always the first ranked.
+        let winner = tier.winner.as_deref();
+        let value = |label: &str| {
+            tier.ranking
+                .iter()
+                .find(|(c, _)| c == label)
+                .map(|(_, v)| v)
+        };
+        if let Some(w) = winner {
+            out["winner"] = json!([w, value(w)]);
+        }
+        if let Some((runner_up, v)) = tier
+            .ranking
+            .iter()
+            .find(|(c, _)| Some(c.as_str()) != winner)
+        {
+            out["runnerUp"] = json!([runner_up, v]);
+        }
+    }
+    if let Evaluation::Decided(super::Decision::Reject(r)) = decided {
+        out["reject"] = json!(r.status);
+    }
+    out["dropped"] = Value::Array(dropped);
+    out.to_string()
+}
