@@ -72,6 +72,7 @@ fn log(tenants: &[&str]) -> String {
             &tags,
             candidates(),
             &decision,
+            0,
         );
         out.push_str(&serde_json::to_string(&record).unwrap());
         out.push('\n');
@@ -142,7 +143,42 @@ fn replay_and_diff_report_the_changed_decisions_their_shares_and_cost() {
         diff.contains("expected cost: 0.022000 → 0.004000 (-0.018000)\n"),
         "{diff}"
     );
-    assert!(!diff.contains("\"free\""), "tenants stay digested: {diff}");
+    assert!(diff.contains(", tenant sha256:"), "{diff}");
+    assert!(
+        !diff.contains("tenant free"),
+        "tenants stay digested: {diff}"
+    );
+
+    // The EPP's own log lines (a decision log on its stdout) are skipped;
+    // a header the logging policy never read is said to be missing.
+    let mixed = file(
+        "mixed.jsonl",
+        &format!(
+            "{{\"level\":\"INFO\",\"message\":\"serving\"}}\n{}",
+            log_text(&log)
+        ),
+    );
+    let by_team = file(
+        "team.yaml",
+        &OLD.replace(
+            "matches: [{ tenant: gold }]",
+            "matches: [{ tenant: gold }, { header.x-team: blue }]",
+        ),
+    );
+    let (ok, noted, err) = run(&["diff".as_ref(), &old, &by_team, "--log".as_ref(), &mixed]);
+    assert!(ok, "{err}");
+    assert!(
+        noted.starts_with("4 records, 0 decisions change"),
+        "{noted}"
+    );
+    assert!(
+        noted.contains("note: 1 lines were not decision records (EPP logs) and were skipped\n"),
+        "{noted}"
+    );
+    assert!(
+        noted.contains("note: the log's policy did not read header(s) x-team,"),
+        "{noted}"
+    );
 
     let broken = file(
         "broken.jsonl",

@@ -95,10 +95,11 @@ pub struct Args {
     pub client_ca_file: Option<PathBuf>,
     /// Debug: tell the gateway why each request went where it went (the
     /// rule, the tier, the winner's and the runner-up's objective values,
-    /// and a reason per candidate left behind), as `envoy.lb` metadata
-    /// `x-kinference-decision-detail` on a routed request (for the access
-    /// log) and as that response header on a reject. Costs a traced
-    /// evaluation per request; shows endpoint names to whoever sees rejects.
+    /// and a reason per candidate left behind): the response header
+    /// `x-kinference-decision-detail` on rejects and, where the gateway sends
+    /// response headers to the EPP, on routed requests; and `envoy.lb`
+    /// metadata of that name (for the gateway's access log). Costs a traced
+    /// evaluation per request and shows endpoint names to clients: debug only.
     #[arg(long, default_value_t = false)]
     pub decision_detail: bool,
     /// Write a decision log: one JSON line per sampled decision (the

@@ -872,7 +872,7 @@ async fn the_decision_log_replays_to_the_decisions_made_behind_envoy() {
             panic!("not routed: {line}");
         };
         assert_eq!(candidate, &format!("{pod}:qwen"));
-        assert_eq!(replay(&replayable, &record, 0), record.decision, "{line}");
+        assert_eq!(replay(&replayable, &record), record.decision, "{line}");
     }
 }
 

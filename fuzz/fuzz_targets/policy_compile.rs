@@ -16,7 +16,9 @@
 
 use std::sync::OnceLock;
 
-use kinference_policy::eval::{Candidate, Decision, Request, Trace, evaluate_with};
+use kinference_policy::eval::{
+    Candidate, Decision, Request, Trace, evaluate_with, parse_candidates,
+};
 use kinference_policy::source::{compile_text, lint_text, parse_documents};
 use kinference_policy::{CompiledPolicy, PolicySpec, compile, policy_hash};
 use libfuzzer_sys::fuzz_target;
@@ -115,6 +117,6 @@ fn candidates() -> &'static [Candidate] {
     static CANDIDATES_PARSED: OnceLock<Vec<Candidate>> = OnceLock::new();
     CANDIDATES_PARSED.get_or_init(|| {
         let docs = parse_documents(CANDIDATES).expect("examples/explain/candidates.yaml parses");
-        serde_json::from_value(docs[0].value.clone()).expect("the candidates deserialize")
+        parse_candidates(docs[0].value.clone()).expect("the candidates deserialize")
     })
 }

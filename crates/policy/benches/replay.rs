@@ -14,7 +14,7 @@ use kinference_policy::eval::{
 };
 use kinference_policy::source::compile_text;
 use rand::SeedableRng;
-use rand::rngs::StdRng;
+use rand::rngs::{SmallRng, StdRng};
 
 const RECORDS: usize = 100_000;
 
@@ -87,12 +87,17 @@ fn request(i: usize) -> Request {
 
 fn log_lines() -> Vec<String> {
     let policy = compile_text(OLD).unwrap();
-    let mut rng = StdRng::seed_from_u64(1);
     (0..RECORDS)
         .map(|i| {
             let (req, cands) = (request(i), candidates(i));
-            let (decision, tags) =
-                evaluate_with(&policy, &req, &cands, &mut rng, &mut NoTrace, |_| vec![]);
+            let (decision, tags) = evaluate_with(
+                &policy,
+                &req,
+                &cands,
+                &mut SmallRng::seed_from_u64(i as u64),
+                &mut NoTrace,
+                |_| vec![],
+            );
             let record = DecisionRecord::new(
                 "2026-12-03T12:00:00Z".into(),
                 &policy,
@@ -100,6 +105,7 @@ fn log_lines() -> Vec<String> {
                 &tags,
                 cands,
                 &decision,
+                i as u64,
             );
             serde_json::to_string(&record).unwrap()
         })
@@ -135,9 +141,9 @@ fn bench(c: &mut Criterion) {
     });
     group.bench_function("replay: parse each line, decide under one policy", |b| {
         b.iter(|| {
-            for (i, line) in lines.iter().enumerate() {
+            for line in &lines {
                 let record = DecisionRecord::parse(line).unwrap();
-                black_box(replay(&old, &record, i as u64));
+                black_box(replay(&old, &record));
             }
         })
     });
@@ -146,12 +152,7 @@ fn bench(c: &mut Criterion) {
             let mut summary = DiffSummary::default();
             for (i, line) in lines.iter().enumerate() {
                 let record = DecisionRecord::parse(line).unwrap();
-                let seed = i as u64;
-                summary.add(
-                    i,
-                    &replay(&old, &record, seed),
-                    &replay(&new, &record, seed),
-                );
+                summary.add(i, &replay(&old, &record), &replay(&new, &record));
             }
             black_box(summary.changed)
         })

@@ -9,7 +9,7 @@ use kinference_policy::eval::{
 };
 use kinference_policy::source::compile_text;
 use rand::SeedableRng;
-use rand::rngs::StdRng;
+use rand::rngs::SmallRng;
 
 const HEAD: &str = "pool: { selector: { app: vllm }, targetPorts: [{ number: 8000 }] }
 tenantHeader: x-tenant
@@ -65,6 +65,17 @@ fn candidates() -> Vec<Candidate> {
 
 /// Decided as the EPP decides, recorded as the EPP records.
 fn record(policy: &CompiledPolicy, tenant: &str, emitted: &[&str]) -> String {
+    record_with(policy, tenant, emitted, candidates(), 1)
+}
+
+/// As the EPP does: the decision drawn with `seed`, which the record keeps.
+fn record_with(
+    policy: &CompiledPolicy,
+    tenant: &str,
+    emitted: &[&str],
+    cands: Vec<Candidate>,
+    seed: u64,
+) -> String {
     let request = Request {
         model: "m".into(),
         tenant: Some(tenant.into()),
@@ -72,8 +83,7 @@ fn record(policy: &CompiledPolicy, tenant: &str, emitted: &[&str]) -> String {
         headers: [("x-api-key".to_string(), "s3cret".to_string())].into(),
         ..Request::default()
     };
-    let cands = candidates();
-    let mut rng = StdRng::seed_from_u64(1);
+    let mut rng = SmallRng::seed_from_u64(seed);
     let (decision, tags) = evaluate_with(policy, &request, &cands, &mut rng, &mut NoTrace, |_| {
         emitted.iter().map(|t| t.to_string()).collect()
     });
@@ -84,6 +94,7 @@ fn record(policy: &CompiledPolicy, tenant: &str, emitted: &[&str]) -> String {
         &tags,
         cands,
         &decision,
+        seed,
     );
     serde_json::to_string(&record).unwrap()
 }
@@ -122,17 +133,37 @@ fn replaying_under_the_same_policy_gives_the_logged_decisions() {
     ] {
         let logged = DecisionRecord::parse(&record(&old, tenant, &tags)).unwrap();
         assert_eq!(
-            replay(&replayable, &logged, 0),
+            replay(&replayable, &logged),
             logged.decision,
             "{tenant} {tags:?}"
         );
     }
     // The tenant literal is compared digested, as the record holds it.
     let alice = DecisionRecord::parse(&record(&old, "alice", &[])).unwrap();
-    assert_eq!(replay(&old, &alice, 0).rule(), Some("rest"));
+    assert_eq!(replay(&old, &alice).rule(), Some("rest"));
     assert_eq!(undecidable_predicates(&old), 0);
     let by_prefix = policy(&OLD.replace("tenant: alice", "tenant: { prefix: ali }"));
     assert_eq!(undecidable_predicates(&by_prefix), 1);
+}
+
+/// alice's rule ties both local Pods (equal queues) and breaks the tie at
+/// random: replay draws what the decision drew, whatever the seed.
+#[test]
+fn a_random_tie_break_replays_to_the_logged_pick() {
+    let old = policy(OLD);
+    let replayable = for_recorded_requests(&old);
+    let mut tied = candidates();
+    tied[1].metrics.queue_depth = tied[0].metrics.queue_depth;
+    let mut picked = std::collections::BTreeSet::new();
+    for seed in 0..32 {
+        let line = record_with(&old, "alice", &[], tied.clone(), seed);
+        let logged = DecisionRecord::parse(&line).unwrap();
+        assert_eq!(replay(&replayable, &logged), logged.decision, "seed {seed}");
+        if let Outcome::Route { candidate, .. } = &logged.decision {
+            picked.insert(candidate.clone());
+        }
+    }
+    assert_eq!(picked.len(), 2, "the tie was broken both ways: {picked:?}");
 }
 
 #[test]

@@ -131,8 +131,8 @@ fn provider_mutation(provider: &ProviderRoute, exchange: Exchange<'_>) -> Mutati
 }
 
 /// The decision detail as `envoy.lb` metadata, for the gateway's access
-/// log (`%DYNAMIC_METADATA(envoy.lb:x-kinference-decision-detail)%`): the
-/// client never sees it, an operator can.
+/// log (`%DYNAMIC_METADATA(envoy.lb:x-kinference-decision-detail)%`); the
+/// session also returns it as a response header where it sees one.
 fn detail_metadata(detail: Option<&String>) -> impl Iterator<Item = (String, String)> {
     detail
         .map(|d| (DECISION_DETAIL.to_string(), d.clone()))

@@ -221,6 +221,7 @@ impl Picker {
                     &tags,
                     set.candidates.clone(),
                     &decision,
+                    seed,
                 )
             });
         }

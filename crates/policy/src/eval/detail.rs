@@ -2,6 +2,8 @@
 //! compact JSON (the EPP's `--decision-detail`). Made from an explain trace
 //! of the same decision, so it costs a traced evaluation: debug only.
 
+use std::collections::HashMap;
+
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
@@ -11,10 +13,14 @@ use super::trace::Trace;
 use super::{Evaluation, evaluate};
 use crate::model::{CompiledPolicy, Rank};
 
+/// Candidates left behind listed at most; the rest are counted.
+pub const MAX_DROPPED: usize = 32;
+
 /// The rule and tier that decided, the winner's and the runner-up's
-/// objective values, and a reason per candidate left behind: `exclude[i].drop[j]`,
-/// `no-objective` (no value for the tier's objective: stale or missing
-/// metrics, no price) or `not-in-tier` (the tier's type or `if`). `seed`
+/// objective values, and a reason per candidate left behind, as the deciding
+/// tier saw it: `exclude[i].drop[j]`, `not-in-tier` (the tier's type, or its
+/// `if`) or `no-objective` (no value for the tier's objective: stale or
+/// missing metrics, no price). `seed`
 /// must be the decision's own, so `tieBreak: Random` picks the same.
 pub fn decision_detail(
     policy: &CompiledPolicy,
@@ -47,21 +53,19 @@ pub fn decision_detail(
         .find(|t| t.winner.is_some())
         .or(rule.tiers.last())
     {
-        let rank = index
-            .and_then(|i| policy.rules[i].route.select.get(tier.tier))
-            .map(|t| &t.rank);
+        let spec = index.and_then(|i| policy.rules[i].route.select.get(tier.tier));
+        let by_label: HashMap<String, &Candidate> =
+            candidates.iter().map(|c| (c.label(), c)).collect();
         for label in &tier.left_out {
-            let no_objective = match rank {
-                Some(Rank::Minimize(m) | Rank::Maximize(m)) => candidates
-                    .iter()
-                    .find(|c| &c.label() == label)
-                    .is_some_and(|c| c.metrics.get(*m).is_none()),
-                _ => false,
-            };
-            let reason = if no_objective {
-                "no-objective"
-            } else {
-                "not-in-tier"
+            let reason = match (spec, by_label.get(label)) {
+                (Some(t), Some(c)) if !t.kind.admits(c.kind) => "not-in-tier",
+                (Some(t), Some(c)) => match t.rank {
+                    Rank::Minimize(m) | Rank::Maximize(m) if c.metrics.get(m).is_none() => {
+                        "no-objective"
+                    }
+                    _ => "not-in-tier",
+                },
+                _ => "not-in-tier",
             };
             dropped.push(json!([label, reason]));
         }
@@ -88,6 +92,11 @@ pub fn decision_detail(
     }
     if let Evaluation::Decided(super::Decision::Reject(r)) = decided {
         out["reject"] = json!(r.status);
+    }
+    // A header has a size limit; the detail is for a person to read.
+    if dropped.len() > MAX_DROPPED {
+        out["moreDropped"] = json!(dropped.len() - MAX_DROPPED);
+        dropped.truncate(MAX_DROPPED);
     }
     out["dropped"] = Value::Array(dropped);
     out.to_string()

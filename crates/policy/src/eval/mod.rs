@@ -18,7 +18,7 @@ pub use input::{
 };
 pub use record::{
     DecisionRecord, DiffSummary, EXAMPLES_PER_GROUP, Group, Outcome, Totals, diff,
-    for_recorded_requests, replay, undecidable_predicates,
+    for_recorded_requests, replay, undecidable_predicates, unrecorded_headers,
 };
 pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use select::Picked;

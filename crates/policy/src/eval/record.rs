@@ -31,6 +31,12 @@ pub struct DecisionRecord {
     pub tags: Vec<String>,
     pub candidates: Vec<Candidate>,
     pub decision: Outcome,
+    /// The decision's random seed (`tieBreak: Random`): replay draws the same.
+    pub seed: u64,
+    /// The request headers the logging policy read, the only ones a record
+    /// can hold: a replayed policy that reads others sees them absent.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub recorded_headers: Vec<String>,
 }
 
 /// Where a decision sent the request.
@@ -115,6 +121,7 @@ impl DecisionRecord {
         tags: &Tags,
         candidates: Vec<Candidate>,
         decision: &Decision,
+        seed: u64,
     ) -> Self {
         DecisionRecord {
             decision: Outcome::of(policy, decision, &candidates),
@@ -123,6 +130,8 @@ impl DecisionRecord {
             request: request.redacted(),
             tags: tags.tags.clone(),
             candidates,
+            seed,
+            recorded_headers: policy.reads.headers.iter().cloned().collect(),
         }
     }
 
@@ -138,6 +147,9 @@ impl DecisionRecord {
             tags: Vec<String>,
             candidates: serde_json::Value,
             decision: Outcome,
+            seed: u64,
+            #[serde(default)]
+            recorded_headers: Vec<String>,
         }
         let raw: Raw = serde_json::from_str(line).map_err(|e| e.to_string())?;
         Ok(DecisionRecord {
@@ -147,6 +159,8 @@ impl DecisionRecord {
             tags: raw.tags,
             candidates: parse_candidates(raw.candidates)?,
             decision: raw.decision,
+            seed: raw.seed,
+            recorded_headers: raw.recorded_headers,
         })
     }
 }
@@ -200,11 +214,11 @@ fn digest_literals(entry: &mut Conjunction<RequestAttr>) {
     }
 }
 
-/// Decides `record` again under `policy` (made by [`for_recorded_requests`]).
-/// `seed` drives `tieBreak: Random`; the same seed for two policies makes
-/// the same choice among the same tie.
-pub fn replay(policy: &CompiledPolicy, record: &DecisionRecord, seed: u64) -> Outcome {
-    let mut rng = SmallRng::seed_from_u64(seed);
+/// Decides `record` again under `policy` (made by [`for_recorded_requests`]),
+/// with the decision's own seed: the same policy draws the same
+/// `tieBreak: Random` pick, and two policies the same pick among the same tie.
+pub fn replay(policy: &CompiledPolicy, record: &DecisionRecord) -> Outcome {
+    let mut rng = SmallRng::seed_from_u64(record.seed);
     let tags = &record.tags;
     // Tags a classifier emitted are in the record; one that did not run
     // emits nothing, as when it times out.
@@ -293,12 +307,23 @@ impl DiffSummary {
 }
 
 /// Replays every record under both policies (each made by
-/// [`for_recorded_requests`]) with the same seed per record.
+/// [`for_recorded_requests`]), each with the decision's own seed.
 pub fn diff(old: &CompiledPolicy, new: &CompiledPolicy, records: &[DecisionRecord]) -> DiffSummary {
     let mut summary = DiffSummary::default();
     for (i, record) in records.iter().enumerate() {
-        let seed = i as u64;
-        summary.add(i, &replay(old, record, seed), &replay(new, record, seed));
+        summary.add(i, &replay(old, record), &replay(new, record));
     }
     summary
+}
+
+/// Headers `policy` reads that `record` could not hold (the logging policy
+/// did not read them): a replay sees them absent.
+pub fn unrecorded_headers<'p>(policy: &'p CompiledPolicy, record: &DecisionRecord) -> Vec<&'p str> {
+    policy
+        .reads
+        .headers
+        .iter()
+        .filter(|h| !record.recorded_headers.contains(h))
+        .map(String::as_str)
+        .collect()
 }
