@@ -220,8 +220,7 @@ impl Metrics {
 
     /// Serves `counter` as `kinference_epp_policy_refusals_total`.
     pub fn register_policy_refusals(&self, counter: Counter) {
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        registry.register(
+        self.register_counter(
             "policy_refusals",
             "New policies refused (invalid, unreadable); the last good one keeps serving",
             counter,
@@ -231,13 +230,18 @@ impl Metrics {
     /// A counter served as `kinference_epp_decision_log_dropped_total`.
     pub fn decision_log_dropped(&self) -> Counter {
         let counter = Counter::default();
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        registry.register(
+        self.register_counter(
             "decision_log_dropped",
             "Decision-log records dropped because the writer fell behind",
             counter.clone(),
         );
         counter
+    }
+
+    /// Registers a counter another part owns, after start-up.
+    fn register_counter(&self, name: &str, help: &str, counter: Counter) {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        registry.register(name, help, counter);
     }
 
     /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].

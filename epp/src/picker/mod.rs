@@ -74,17 +74,6 @@ pub struct Picker {
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
 }
 
-impl Pick {
-    fn set_detail(&mut self, value: String) {
-        let detail = match self {
-            Pick::Local(l) => &mut l.detail,
-            Pick::Provider(p) => &mut p.detail,
-            Pick::Reject { detail, .. } => detail,
-        };
-        *detail = Some(value);
-    }
-}
-
 /// Where the request goes.
 #[derive(Debug)]
 pub enum Pick {
@@ -96,6 +85,17 @@ pub enum Pick {
         message: String,
         detail: Option<String>,
     },
+}
+
+impl Pick {
+    fn set_detail(&mut self, value: String) {
+        let detail = match self {
+            Pick::Local(l) => &mut l.detail,
+            Pick::Provider(p) => &mut p.detail,
+            Pick::Reject { detail, .. } => detail,
+        };
+        *detail = Some(value);
+    }
 }
 
 #[derive(Debug)]

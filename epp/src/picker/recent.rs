@@ -5,9 +5,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use kinference_policy::eval::{Candidate, Decision, Request, Tags, Trace, evaluate};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kinference_policy::eval::{Candidate, Decision, Request, Tags, evaluate_traced};
 use serde_json::{Value, json};
 
 use crate::policy_store::LoadedPolicy;
@@ -56,17 +54,9 @@ impl RecentDecisions {
 }
 
 fn replay(d: &RecordedDecision) -> Value {
-    let mut trace = Trace::redacted();
-    let mut rng = SmallRng::seed_from_u64(d.seed);
     let compiled = &d.policy.compiled;
-    let outcome = match evaluate(
-        compiled,
-        &d.request,
-        &d.tags,
-        &d.candidates,
-        &mut rng,
-        &mut trace,
-    ) {
+    let (evaluation, trace) = evaluate_traced(compiled, &d.request, &d.tags, &d.candidates, d.seed);
+    let outcome = match evaluation {
         kinference_policy::eval::Evaluation::Decided(Decision::Route(r)) => json!({
             "action": "route",
             "rule": compiled.rules[r.rule].name,

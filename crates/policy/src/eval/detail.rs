@@ -4,13 +4,11 @@
 
 use std::collections::HashMap;
 
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
+use super::Evaluation;
 use super::input::{Candidate, Request, Tags};
-use super::trace::Trace;
-use super::{Evaluation, evaluate};
+use super::trace::evaluate_traced;
 use crate::model::{CompiledPolicy, Rank};
 
 /// Candidates left behind listed at most; the rest are counted.
@@ -29,9 +27,7 @@ pub fn decision_detail(
     candidates: &[Candidate],
     seed: u64,
 ) -> String {
-    let mut trace = Trace::redacted();
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let decided = evaluate(policy, request, tags, candidates, &mut rng, &mut trace);
+    let (decided, trace) = evaluate_traced(policy, request, tags, candidates, seed);
     let Some(rule) = trace.rules.iter().rev().find(|r| r.matched) else {
         return json!({ "rule": null }).to_string();
     };

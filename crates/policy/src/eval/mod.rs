@@ -22,7 +22,7 @@ pub use record::{
 };
 pub use redact::{REDACTED, digest, path_only, shown_value};
 pub use select::Picked;
-pub use trace::{CandidateDrop, NoTrace, RuleTrace, TierTrace, Trace, Tracer};
+pub use trace::{CandidateDrop, NoTrace, RuleTrace, TierTrace, Trace, Tracer, evaluate_traced};
 
 use crate::model::{ClassifierSet, CompiledPolicy, Consider, ModelSelector, OnEmpty, Route, Rule};
 use predicate::{any_conjunction, conjunction_holds};

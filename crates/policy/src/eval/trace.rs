@@ -2,14 +2,17 @@
 //! each candidate was dropped. Evaluation is generic over [`Tracer`], so the
 //! hot path pays nothing when tracing is off ([`NoTrace`]).
 
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
 use serde::Serialize;
 
 use super::input::{Candidate, Request, Tags, Val};
 use super::predicate::first_failing;
 use super::redact::shown_value;
 use super::select::Picked;
+use super::{Evaluation, evaluate};
 use crate::duration::format_seconds;
-use crate::model::{Rank, Rule, Test, TieBreak, Tier, Value};
+use crate::model::{CompiledPolicy, Rank, Rule, Test, TieBreak, Tier, Value};
 
 pub trait Tracer {
     /// Whether `tier` wants every candidate ranked (costly), or only the top.
@@ -55,6 +58,22 @@ impl Trace {
             ..Trace::default()
         }
     }
+}
+
+/// A decision made again with its own `seed` (so `tieBreak: Random` picks
+/// the same), traced with client values redacted: what `/debug/explain`
+/// and the decision detail show.
+pub fn evaluate_traced(
+    policy: &CompiledPolicy,
+    request: &Request,
+    tags: &Tags,
+    candidates: &[Candidate],
+    seed: u64,
+) -> (Evaluation, Trace) {
+    let mut trace = Trace::redacted();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let evaluation = evaluate(policy, request, tags, candidates, &mut rng, &mut trace);
+    (evaluation, trace)
 }
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -195,6 +214,8 @@ impl Tracer for Trace {
             .filter(|i| !ranked.iter().any(|(r, _)| r == *i))
             .map(|&i| candidates[i].label())
             .collect();
+        // A tie worth showing has more than the winner in it.
+        let tie = picked.as_ref().filter(|p| p.ties.len() > 1);
         let trace = TierTrace {
             tier: index,
             objective: describe_rank(&tier.rank),
@@ -203,17 +224,11 @@ impl Tracer for Trace {
                 .iter()
                 .map(|&(i, k)| (candidates[i].label(), value(i, k)))
                 .collect(),
-            tied: match &picked {
-                Some(p) if p.ties.len() > 1 => {
-                    p.ties.iter().map(|&i| candidates[i].label()).collect()
-                }
-                _ => Vec::new(),
-            },
-            tie_break: picked
-                .as_ref()
-                .filter(|p| p.ties.len() > 1)
-                .map(|p| describe_tie_break(p.tie_break)),
-            winner: picked.map(|p| candidates[p.winner].label()),
+            tied: tie
+                .map(|p| p.ties.iter().map(|&i| candidates[i].label()).collect())
+                .unwrap_or_default(),
+            tie_break: tie.map(|p| describe_tie_break(p.tie_break)),
+            winner: picked.as_ref().map(|p| candidates[p.winner].label()),
         };
         self.current().tiers.push(trace);
     }
