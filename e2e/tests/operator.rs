@@ -1124,7 +1124,25 @@ async fn objects_it_did_not_create_are_never_taken_over() -> Result<()> {
     for meta in [&cm.metadata, &dep.metadata, &svc.metadata] {
         assert!(meta.owner_references.is_none(), "{meta:?}");
     }
-    assert!(generated_versions(&client, "cm").await?.is_empty());
+    // The applies stop at the object in the way: what comes before the
+    // ConfigMap (the EPP's identity and permissions) was created and is the
+    // policy's; nothing after it was created.
+    let cm_policy = policies.get("cm").await?;
+    let created = generated_versions(&client, "cm").await?;
+    assert_eq!(
+        created.keys().collect::<Vec<_>>(),
+        ["Role/cm-epp", "RoleBinding/cm-epp", "ServiceAccount/cm-epp"]
+    );
+    for key in created.keys() {
+        let (kind, name) = key.split_once('/').context("Kind/name")?;
+        let refs = owner_refs(&client, kind, name).await?;
+        assert!(
+            refs.iter()
+                .any(|r| r.controller == Some(true)
+                    && Some(&r.uid) == cm_policy.metadata.uid.as_ref()),
+            "{key}: {refs:?}"
+        );
+    }
 
     // Once the user's object is gone, the policy proceeds.
     configmaps.delete("cm-policy", &Default::default()).await?;

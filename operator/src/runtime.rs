@@ -33,7 +33,7 @@ use crate::cache::{Caches, strip_managed_fields};
 use crate::error::Error;
 use crate::leader::{LeaderElectionConfig, LeaseLock};
 use crate::metrics::{Health, Metrics};
-use crate::reconcile::{self, Context, Memory, Requeue, TakenNames};
+use crate::reconcile::{self, Context, Memory, Requeue};
 use crate::resources::{
     COMPONENT_LABEL, EPP_STATUS_COMPONENT, EppSettings, FIELD_MANAGER, InferencePool,
 };
@@ -293,7 +293,6 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
         ),
         caches,
         memory: Memory::default(),
-        taken: TakenNames::default(),
     });
     let _sweeper = AbortOnDropHandle::new(tokio::spawn(forget_deleted_policies(
         ctx.clone(),

@@ -305,7 +305,8 @@ pub struct StatusEvent {
 /// Events for the changes from `prev` to `next`: a policy accepted (or a new
 /// accepted hash), rejected (or rejected differently), references broken or
 /// fixed, Ready gained or lost. Nothing when nothing changed, so periodic
-/// reconciles stay silent.
+/// reconciles stay silent. Good news that arrives together is one Event
+/// (see [`one_normal_event`]); each failure is an Event of its own.
 pub fn events(
     prev: Option<&InferencePolicyStatus>,
     next: &InferencePolicyStatus,
@@ -350,6 +351,27 @@ pub fn events(
         if (c.status == "True" && flipped(CONDITION_READY)) || (c.status != "True" && was_true) {
             push(c);
         }
+    }
+    one_normal_event(out)
+}
+
+/// Folds the Normal Events of one status change into one, under the reason
+/// of the first (the cause: `Accepted`, `ResolvedRefs`) with every note: a
+/// new policy whose EPP is already up is one Event, not two, which at a
+/// thousand policies is a thousand writes fewer. Warnings stay apart, so
+/// each failure keeps a reason of its own to alert on.
+fn one_normal_event(events: Vec<StatusEvent>) -> Vec<StatusEvent> {
+    let (normal, mut out): (Vec<_>, Vec<_>) = events.into_iter().partition(|e| !e.warning);
+    let mut normal = normal.into_iter();
+    if let Some(first) = normal.next() {
+        let notes: Vec<String> = std::iter::once(first.note)
+            .chain(normal.map(|e| e.note))
+            .collect();
+        out.push(StatusEvent {
+            warning: false,
+            reason: first.reason,
+            note: truncate(&notes.join("; "), MAX_NOTE),
+        });
     }
     out
 }
@@ -704,6 +726,41 @@ mod tests {
         assert_eq!(events(Some(&ready), &b)[0].reason, "SecretNotFound");
         let fixed = compute(Some(&b), &obs(accepted(), 1, &[HASH]), t(4));
         assert_eq!(events(Some(&b), &fixed)[0].reason, "ResolvedRefs");
+    }
+
+    #[test]
+    fn good_news_arriving_together_is_one_event_and_failures_stay_apart() {
+        // Accepted and Ready in the same write: one Event, the cause's
+        // reason, both notes.
+        let ready = compute(None, &obs(accepted(), 1, &[HASH]), t(0));
+        assert_eq!(cond(&ready, "Ready").status, "True");
+        let ev = events(None, &ready);
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!((ev[0].reason.as_str(), ev[0].warning), ("Accepted", false));
+        assert_eq!(
+            ev[0].note,
+            format!(
+                "{}; {}",
+                cond(&ready, "Accepted").message,
+                cond(&ready, "Ready").message
+            )
+        );
+        // Two failures at once: two Warnings.
+        let mut broken = obs(accepted(), 0, &[HASH]);
+        broken.refs.missing_secrets = vec!["k".into()];
+        let b = compute(Some(&ready), &broken, t(1));
+        let mut reasons: Vec<_> = events(Some(&ready), &b)
+            .into_iter()
+            .map(|e| (e.reason, e.warning))
+            .collect();
+        reasons.sort();
+        assert_eq!(
+            reasons,
+            [
+                ("EppUnavailable".to_string(), true),
+                ("SecretNotFound".to_string(), true)
+            ]
+        );
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //! someone wrote it since this process last applied it (see
 //! [`Memory::unchanged`]): a reconcile that finds nothing to do sends
 //! nothing.
+//!
+//! Until a policy's objects have been applied once, an apply may only
+//! create: an object that already exists under a generated name is someone
+//! else's (the user's ConfigMap that happens to be called `<policy>-policy`)
+//! and a forced apply would silently take it over. The API server enforces
+//! this atomically, with no list or get beforehand (see [`CREATE_ONLY`]).
 
 use std::collections::BTreeSet;
 
@@ -21,12 +27,23 @@ use crate::cache::MetaStore;
 use crate::error::{Error, Verb, api_code};
 use crate::resources::FIELD_MANAGER;
 
+/// A resourceVersion no stored object has (etcd revisions never reach it).
+/// An apply that carries a resourceVersion is refused with 409 unless the
+/// object has exactly that version, while an apply that creates the object
+/// ignores it: sent with this one, an apply creates or is refused, never
+/// changes an existing object. `e2e/tests/operator.rs` holds the API server
+/// to this.
+const CREATE_ONLY: &str = "18446744073709551615";
+
 /// Applies the objects of one policy.
 pub struct Applier<'a> {
     pub client: &'a Client,
     pub memory: &'a Memory,
     /// The policy's uid.
     pub uid: &'a str,
+    /// Whether objects not yet known to be the policy's may only be created:
+    /// until its objects have been applied once.
+    pub create_only: bool,
 }
 
 impl Applier<'_> {
@@ -48,13 +65,16 @@ impl Applier<'_> {
         let ns = obj.meta().namespace.clone().unwrap_or_default();
         let key = format!("{}/{name}", K::kind(&()));
         let digest = digest(obj);
-        if self
-            .memory
-            .unchanged(self.uid, &key, digest, cached.get(&ns, &name).as_ref())
-        {
+        let seen = cached.get(&ns, &name);
+        if self.memory.unchanged(self.uid, &key, digest, seen.as_ref()) {
             return Ok(());
         }
-        match apply(self.client, obj, optional).await {
+        let result = if self.create_only && !seen.as_ref().is_some_and(|m| self.controls(m)) {
+            self.create(obj, optional).await
+        } else {
+            apply(self.client, obj, None, optional).await
+        };
+        match result {
             Ok(Some(answer)) => {
                 self.memory.applied(self.uid, &key, digest, &answer);
                 Ok(())
@@ -65,6 +85,42 @@ impl Applier<'_> {
                 Err(e)
             }
         }
+    }
+}
+
+impl Applier<'_> {
+    /// Creates `obj`, or applies it if it exists under this policy's control
+    /// (created by an earlier reconcile that did not get to write the
+    /// status); any other existing object is a [`Error::Conflict`].
+    async fn create(
+        &self,
+        obj: &(impl Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize),
+        optional: bool,
+    ) -> Result<Option<kube::api::ObjectMeta>, Error> {
+        match apply(self.client, obj, Some(CREATE_ONLY), optional).await {
+            Err(Error::Kube { source, .. }) if api_code(&source) == Some(409) => {}
+            other => return other,
+        }
+        let name = obj.meta().name.clone().unwrap_or_default();
+        let ns = obj.meta().namespace.clone().unwrap_or_default();
+        let existing = api_for(self.client, obj)
+            .get_metadata_opt(&name)
+            .await
+            .map_err(|e| Error::kube(Verb::Get, kind_of(obj), format!("{ns}/{name}"), e))?;
+        match existing {
+            Some(o) if !self.controls(&o.metadata) => {
+                Err(Error::Conflict(format!("{} {ns}/{name}", kind_of(obj))))
+            }
+            // Ours, or deleted since: an ordinary apply.
+            _ => apply(self.client, obj, None, optional).await,
+        }
+    }
+
+    fn controls(&self, meta: &kube::api::ObjectMeta) -> bool {
+        meta.owner_references
+            .iter()
+            .flatten()
+            .any(|r| r.controller == Some(true) && r.uid == self.uid)
     }
 }
 
@@ -88,24 +144,36 @@ impl Applier<'_> {
     }
 }
 
-/// Applies `obj` and returns the metadata the API server answered with;
-/// None when `optional` and the kind is not served.
-pub async fn apply<K>(
+/// Applies `obj`, with `resource_version` as a precondition if given, and
+/// returns the metadata the API server answered with; None when `optional`
+/// and the kind is not served.
+async fn apply<K>(
     client: &Client,
     obj: &K,
+    resource_version: Option<&str>,
     optional: bool,
 ) -> Result<Option<kube::api::ObjectMeta>, Error>
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize + std::fmt::Debug,
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
     let ns = obj.meta().namespace.clone().unwrap_or_default();
-    // Sent and read back as a DynamicObject: the response then never fails
-    // to parse whatever status or defaults a third-party schema adds.
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()));
+    let mut body = serde_json::to_value(obj).map_err(|e| {
+        Error::kube(
+            Verb::Apply,
+            kind_name::<K>(),
+            format!("{ns}/{name}"),
+            kube::Error::SerdeError(e),
+        )
+    })?;
+    if let Some(version) = resource_version {
+        body["metadata"]["resourceVersion"] = version.into();
+    }
     let params = PatchParams::apply(FIELD_MANAGER).force();
-    match api.patch(&name, &params, &Patch::Apply(obj)).await {
+    match api_for(client, obj)
+        .patch(&name, &params, &Patch::Apply(&body))
+        .await
+    {
         Ok(answer) => Ok(Some(answer.metadata)),
         Err(e) if optional && is_missing_kind(&e) => {
             tracing::warn!(kind = %K::kind(&()), %ns, %name, "kind not served by the API server; skipped");
@@ -192,4 +260,19 @@ pub(super) fn is_missing_kind(e: &kube::Error) -> bool {
 
 fn kind_name<K: Resource<DynamicType = ()>>() -> String {
     K::kind(&()).into_owned()
+}
+
+fn kind_of<K: Resource<DynamicType = ()>>(_: &K) -> String {
+    kind_name::<K>()
+}
+
+/// The API for `obj`'s kind in its namespace, as DynamicObjects: a response
+/// then never fails to parse whatever status or defaults a third-party
+/// schema adds.
+fn api_for<K>(client: &Client, obj: &K) -> Api<DynamicObject>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
+{
+    let ns = obj.meta().namespace.clone().unwrap_or_default();
+    Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<K>(&()))
 }

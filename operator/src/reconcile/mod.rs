@@ -5,7 +5,6 @@
 mod apply;
 mod memory;
 mod observe;
-mod taken;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -23,15 +22,14 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 
-use crate::cache::{Caches, MetaStore};
+use crate::cache::Caches;
 use crate::error::{Error, Verb};
 use crate::metrics::Metrics;
 use crate::resources::{self, EppSettings, FIELD_MANAGER, Names};
 use crate::status::{self, Acceptance, Observation};
 
-pub use apply::{Applier, apply, prune};
+pub use apply::{Applier, prune};
 pub use memory::Memory;
-pub use taken::TakenNames;
 
 /// Timing of periodic reconciles. Everything else is driven by the watches.
 #[derive(Clone, Debug)]
@@ -66,7 +64,6 @@ pub struct Context {
     pub recorder: Recorder,
     pub caches: Caches,
     pub memory: Memory,
-    pub taken: TakenNames,
 }
 
 /// The controller's reconcile function.
@@ -240,65 +237,6 @@ fn never_applied(status: Option<&InferencePolicyStatus>) -> bool {
     }
 }
 
-/// The first generated object whose name is taken by an object this
-/// policy does not control.
-async fn first_foreign(
-    ctx: &Context,
-    desired: &resources::Desired,
-    uid: &str,
-    created: Timestamp,
-) -> Result<Option<String>, Error> {
-    let (d, c) = (desired, &ctx.caches);
-    let checks = [
-        unowned(ctx, &c.service_accounts, &d.service_account, uid, created).await?,
-        unowned(ctx, &c.roles, &d.role, uid, created).await?,
-        unowned(ctx, &c.role_bindings, &d.role_binding, uid, created).await?,
-        unowned(ctx, &c.config_maps, &d.config_map, uid, created).await?,
-        unowned(ctx, &c.epp_reports, &d.epp_status_config_map, uid, created).await?,
-        unowned(ctx, &c.services, &d.epp_service, uid, created).await?,
-        unowned(ctx, &c.deployments, &d.deployment, uid, created).await?,
-        unowned(ctx, &c.inference_pools, &d.inference_pool, uid, created).await?,
-    ];
-    if let Some(found) = checks.into_iter().flatten().next() {
-        return Ok(Some(found));
-    }
-    for service in &d.provider_services {
-        if let Some(found) = unowned(ctx, &c.services, service, uid, created).await? {
-            return Ok(Some(found));
-        }
-    }
-    if let Some(route) = &d.http_route {
-        return unowned(ctx, &c.http_routes, route, uid, created).await;
-    }
-    Ok(None)
-}
-
-/// [`TakenNames::foreign`], without asking when the cache already shows
-/// the object under this policy's control.
-async fn unowned<K>(
-    ctx: &Context,
-    cached: &dyn MetaStore,
-    obj: &K,
-    uid: &str,
-    created: Timestamp,
-) -> Result<Option<String>, Error>
-where
-    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>,
-{
-    let ns = obj.meta().namespace.as_deref().unwrap_or_default();
-    let name = obj.meta().name.as_deref().unwrap_or_default();
-    let ours = cached.get(ns, name).is_some_and(|m| {
-        m.owner_references
-            .iter()
-            .flatten()
-            .any(|r| r.controller == Some(true) && r.uid == uid)
-    });
-    if ours {
-        return Ok(None);
-    }
-    ctx.taken.foreign(&ctx.client, obj, uid, created).await
-}
-
 async fn apply_all(
     ctx: &Context,
     policy: &InferencePolicy,
@@ -310,24 +248,14 @@ async fn apply_all(
     let desired = resources::desired(policy, compiled, &ctx.epp);
     // Before anything is applied: an oversized policy changes nothing.
     resources::check_config_map_size(&desired.config_map)?;
-    // Until the policy's objects have been applied once, none of the
-    // generated names should exist; one that does is someone else's.
-    // Checked until then, not on every reconcile.
-    let created = policy
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .map_or_else(Timestamp::now, |t| t.0);
-    if never_applied(prev)
-        && let Some(object) = first_foreign(ctx, &desired, uid, created).await?
-    {
-        return Err(Error::Conflict(object));
-    }
     let (d, c) = (&desired, &ctx.caches);
     let a = Applier {
         client: &ctx.client,
         memory: &ctx.memory,
         uid,
+        // Until the policy's objects have been applied once, none of the
+        // generated names should exist; one that does is someone else's.
+        create_only: never_applied(prev),
     };
     // Identity and permissions before the Deployment that uses them; the
     // ConfigMap before the EPP that reads it; backends before the route.
