@@ -11,7 +11,9 @@
 # stderr), everything torn down at the end.
 #
 # smoke: a few requests per EPP and workload (CI: fails on any error or an EPP
-# that did not run). full: the figures (about 15 minutes on 2 cores).
+# that did not run), with debug builds of our EPP and the bench, which share
+# the test run's compiled dependencies. full: the figures (about 15 minutes on
+# 2 cores), everything of ours in release.
 # Extra arguments go to the bench, e.g. `--only direct,kinference-queue,gie-queue`
 # or `--workloads chat`; see `e2e/benches/peers.rs`.
 set -euo pipefail
@@ -36,13 +38,18 @@ k8s_dir="${KINFERENCE_K8S_BIN_DIR:-$(bash e2e/tools/install-k8s.sh | last_line)}
 log "Envoy: crates/testbed/envoy/install.sh"
 bash crates/testbed/envoy/install.sh >/dev/null
 
-log "our EPP: cargo build --release -p kinference-epp"
-cargo build --release --locked -p kinference-epp
 target_dir="${CARGO_TARGET_DIR:-${root}/target}"
+if [[ "${mode}" == smoke ]]; then
+  profile=(); bench=(test); epp_bin="${target_dir}/debug/kinference-epp"
+else
+  profile=(--release); bench=(bench); epp_bin="${target_dir}/release/kinference-epp"
+fi
+log "our EPP: cargo build ${profile[*]} -p kinference-epp"
+cargo build "${profile[@]}" --locked -p kinference-epp
 
 KINFERENCE_K8S_BIN_DIR="${k8s_dir}" \
-  cargo bench --locked -p kinference-e2e --bench peers -- \
+  cargo "${bench[@]}" --locked -p kinference-e2e --bench peers -- \
   --mode "${mode}" \
-  --epp-bin "${target_dir}/release/kinference-epp" \
+  --epp-bin "${epp_bin}" \
   --peers-dir "${peers_dir}" \
   "$@"
