@@ -121,6 +121,13 @@ enum Mode {
     Full,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Simulator {
+    Ours,
+    /// llm-d-inference-sim, one process per Pod.
+    Llmd,
+}
+
 #[derive(Debug, Parser)]
 struct Args {
     #[arg(long, value_enum, default_value_t = Mode::Full)]
@@ -148,6 +155,15 @@ struct Args {
     /// Envoy worker threads (every contender's Envoy alike).
     #[arg(long, default_value_t = 2)]
     envoy_workers: usize,
+    /// The simulator behind the pool in the routing-quality workload (c):
+    /// ours, or llm-d-inference-sim (`bench/peers/install.sh llmd-sim`),
+    /// configured alike, to check that ours does not flatter anyone.
+    #[arg(long, value_enum, default_value_t = Simulator::Ours)]
+    simulator: Simulator,
+    /// The Poisson rates of workload (c), requests per second (default:
+    /// 8,16,24 in full mode).
+    #[arg(long, value_delimiter = ',')]
+    prefix_rates: Vec<f64>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -249,6 +265,7 @@ struct Binaries {
     kinference: PathBuf,
     gie: Option<PathBuf>,
     llmd: Option<PathBuf>,
+    llmd_sim: Option<PathBuf>,
 }
 
 impl Binaries {
@@ -267,10 +284,16 @@ impl Binaries {
                 .map(|d| d.join(name))
                 .filter(|p| p.is_file())
         };
+        let llmd_sim = peer("llmd-sim");
+        ensure!(
+            args.simulator != Simulator::Llmd || llmd_sim.is_some(),
+            "--simulator llmd needs llmd-sim in --peers-dir (bench/peers/install.sh llmd-sim)"
+        );
         Ok(Binaries {
             kinference,
             gie: peer("gie-epp"),
             llmd: peer("llmd-epp"),
+            llmd_sim,
         })
     }
 
@@ -398,6 +421,10 @@ fn sim_config(i: usize, shape: SimShape) -> SimConfig {
 /// The running simulators, one per Pod.
 struct Sims {
     handles: Vec<SimHandle>,
+    /// llm-d-inference-sim processes, each behind a relay on its Pod's
+    /// address (it listens on all addresses, so each needs a port of its own).
+    peers: Vec<(Child, tokio::task::JoinHandle<()>)>,
+    addrs: Vec<SocketAddr>,
     port: u16,
 }
 
@@ -411,17 +438,132 @@ impl Sims {
                 .with_context(|| format!("simulator on {addr}"))?;
             handles.push(sim);
         }
-        Ok(Sims { handles, port })
+        let addrs = handles.iter().map(SimHandle::addr).collect();
+        Ok(Sims {
+            handles,
+            peers: Vec::new(),
+            addrs,
+            port,
+        })
+    }
+
+    /// llm-d-inference-sim configured like [`SimShape::Timed`]: 4 running
+    /// slots, 5 ms per output token (200/s), a KV cache of 1,024 blocks of 16
+    /// tokens with prefix caching. Its dummy tokenizer (words and punctuation)
+    /// makes 0.62 as many tokens of our prompts as our 4 characters per token,
+    /// so 0.4 ms of prefill per uncached token gives an uncached prompt the
+    /// same time as our 4,000 tokens/s (about 1.5 s for a 24 KB system
+    /// prompt). Its cache then holds about 4 such prompts where ours holds 2.7:
+    /// it also holds the running requests' blocks, and 4 running prompts need
+    /// about 950 blocks.
+    async fn start_llmd(bin: &Path, pods: usize, port: u16) -> Result<Sims> {
+        let mut peers = Vec::with_capacity(pods);
+        let mut addrs = Vec::with_capacity(pods);
+        for i in 0..pods {
+            let own = free_local_port()?;
+            let child = Command::new(bin)
+                .args(["--port", &own.to_string(), "--model", MODEL])
+                .args(["--max-num-seqs", "4", "--max-model-len", "1000000"])
+                .args([
+                    "--prefill-overhead",
+                    "5ms",
+                    "--prefill-time-per-token",
+                    "400us",
+                ])
+                .args(["--inter-token-latency", "5ms"])
+                .args([
+                    "--enable-kvcache",
+                    "--kv-cache-size",
+                    "1024",
+                    "--block-size",
+                    "16",
+                ])
+                .args(["--force-dummy-tokenizer", "--zmq-endpoint", ""])
+                .args(["--max-request-body-size-mb", "16", "--seed", &i.to_string()])
+                .env("POD_IP", pod_ip(i).to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("starting {}", bin.display()))?;
+            let addr = SocketAddr::new(IpAddr::V4(pod_ip(i)), port);
+            let relay = relay(addr, SocketAddr::from(([127, 0, 0, 1], own))).await?;
+            peers.push((child, relay));
+            addrs.push(addr);
+        }
+        for addr in &addrs {
+            wait_serving(*addr).await?;
+        }
+        Ok(Sims {
+            handles: Vec::new(),
+            peers,
+            addrs,
+            port,
+        })
     }
 
     async fn stop(self) {
         for s in &self.handles {
             s.shutdown().await;
         }
+        for (mut child, relay) in self.peers {
+            relay.abort();
+            let _ = child.kill().await;
+        }
     }
 
     fn addrs(&self) -> Vec<SocketAddr> {
-        self.handles.iter().map(SimHandle::addr).collect()
+        self.addrs.clone()
+    }
+}
+
+fn free_local_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?
+        .local_addr()?
+        .port())
+}
+
+/// Forwards every connection to `listen` to `to`, until aborted.
+async fn relay(listen: SocketAddr, to: SocketAddr) -> Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("relay on {listen}"))?;
+    Ok(tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                    let _ = inbound.set_nodelay(true);
+                    let _ = outbound.set_nodelay(true);
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    }))
+}
+
+/// Waits until a simulator answers its metrics page at `addr`.
+async fn wait_serving(addr: SocketAddr) -> Result<()> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            let req = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+            let mut head = [0u8; 12];
+            if s.write_all(req.as_bytes()).await.is_ok()
+                && s.read_exact(&mut head).await.is_ok()
+                && head.ends_with(b"200")
+            {
+                return Ok(());
+            }
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "llm-d-inference-sim at {addr} did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -774,6 +916,13 @@ struct Plan {
 }
 
 impl Plan {
+    fn with_prefix_rates(mut self, rates: &[f64]) -> Plan {
+        if !rates.is_empty() {
+            self.prefix_rates = rates.to_vec();
+        }
+        self
+    }
+
     fn new(mode: Mode) -> Plan {
         match mode {
             Mode::Smoke => Plan {
@@ -1080,9 +1229,14 @@ impl Bench {
 
     /// (c), against timed simulators restarted empty for this contender.
     fn run_prefix_workload(&self, contender: &Contender, report: &mut Report) -> Result<()> {
-        let sims = self
-            .sim_rt
-            .block_on(Sims::start(self.args.pods, self.port, SimShape::Timed))?;
+        let sims = self.sim_rt.block_on(async {
+            match &self.binaries.llmd_sim {
+                Some(bin) if self.args.simulator == Simulator::Llmd => {
+                    Sims::start_llmd(bin, self.args.pods, self.port).await
+                }
+                _ => Sims::start(self.args.pods, self.port, SimShape::Timed).await,
+            }
+        })?;
         let result = self.load_rt.block_on(async {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.prefix_rates {
@@ -1417,7 +1571,7 @@ fn main() -> Result<()> {
     })?;
     let http = HttpClient::new(256, Duration::from_secs(120))?;
     let bench = Bench {
-        plan: Plan::new(args.mode),
+        plan: Plan::new(args.mode).with_prefix_rates(&args.prefix_rates),
         binaries,
         kubeconfig: cluster.kubeconfig_path().to_path_buf(),
         port,
