@@ -160,8 +160,8 @@ struct Args {
     /// Envoy worker threads (every contender's Envoy alike).
     #[arg(long, default_value_t = 2)]
     envoy_workers: usize,
-    /// The simulator behind the pool in the routing-quality workload (c):
-    /// ours, or llm-d-inference-sim (`bench/peers/install.sh llmd-sim`),
+    /// The simulator behind the pool in the open-loop workloads (c), (d) and
+    /// (e): ours, or llm-d-inference-sim (`bench/peers/install.sh llmd-sim`),
     /// configured alike, to check that ours does not flatter anyone.
     #[arg(long, value_enum, default_value_t = Simulator::Ours)]
     simulator: Simulator,
@@ -1231,7 +1231,7 @@ impl Bench {
             }
         }
         if let Err(e) = self.run_open_workloads(contender, &mut report) {
-            report.skipped = Some(format!("(c): {e:#}"));
+            report.skipped = Some(format!("{e:#}"));
         }
         report
     }
@@ -1300,7 +1300,8 @@ impl Bench {
     fn run_open_workloads(&self, contender: &Contender, report: &mut Report) -> Result<()> {
         for (i, w) in OPEN_WORKLOADS.iter().enumerate() {
             if self.args.wants_workload(w.name) {
-                self.run_open_workload(contender, i, report)?;
+                self.run_open_workload(contender, i, report)
+                    .with_context(|| w.label)?;
             }
         }
         Ok(())

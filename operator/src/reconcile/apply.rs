@@ -92,11 +92,14 @@ impl Applier<'_> {
     /// Creates `obj`, or applies it if it exists under this policy's control
     /// (created by an earlier reconcile that did not get to write the
     /// status); any other existing object is a [`Error::Conflict`].
-    async fn create(
+    async fn create<K>(
         &self,
-        obj: &(impl Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize),
+        obj: &K,
         optional: bool,
-    ) -> Result<Option<kube::api::ObjectMeta>, Error> {
+    ) -> Result<Option<kube::api::ObjectMeta>, Error>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Serialize,
+    {
         match apply(self.client, obj, Some(CREATE_ONLY), optional).await {
             Err(Error::Kube { source, .. }) if api_code(&source) == Some(409) => {}
             other => return other,
@@ -106,16 +109,17 @@ impl Applier<'_> {
         let existing = api_for(self.client, obj)
             .get_metadata_opt(&name)
             .await
-            .map_err(|e| Error::kube(Verb::Get, kind_of(obj), format!("{ns}/{name}"), e))?;
+            .map_err(|e| Error::kube(Verb::Get, kind_name::<K>(), format!("{ns}/{name}"), e))?;
         match existing {
             Some(o) if !self.controls(&o.metadata) => {
-                Err(Error::Conflict(format!("{} {ns}/{name}", kind_of(obj))))
+                Err(Error::Conflict(format!("{} {ns}/{name}", kind_name::<K>())))
             }
             // Ours, or deleted since: an ordinary apply.
             _ => apply(self.client, obj, None, optional).await,
         }
     }
 
+    /// Whether this policy is `meta`'s controller.
     fn controls(&self, meta: &kube::api::ObjectMeta) -> bool {
         meta.owner_references
             .iter()
@@ -212,11 +216,7 @@ where
             .as_ref()
             .and_then(|l| l.get(POLICY_LABEL))
             .is_some_and(|p| p == policy);
-        let controlled = obj
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.controller == Some(true) && o.uid == applier.uid);
+        let controlled = applier.controls(&obj);
         if !labelled || !controlled || keep.contains(&name) || obj.deletion_timestamp.is_some() {
             continue;
         }
@@ -260,10 +260,6 @@ pub(super) fn is_missing_kind(e: &kube::Error) -> bool {
 
 fn kind_name<K: Resource<DynamicType = ()>>() -> String {
     K::kind(&()).into_owned()
-}
-
-fn kind_of<K: Resource<DynamicType = ()>>(_: &K) -> String {
-    kind_name::<K>()
 }
 
 /// The API for `obj`'s kind in its namespace, as DynamicObjects: a response
