@@ -116,7 +116,7 @@ check_prerequisites() {
 
 delete_cluster() {
   need kind "deletes the cluster"
-  if kind get clusters 2>/dev/null | grep -qx "${CLUSTER_NAME}"; then
+  if grep -qx "${CLUSTER_NAME}" <<<"$(kind get clusters 2>/dev/null)"; then
     log "Deleting kind cluster ${CLUSTER_NAME}"
     kind delete cluster --name "${CLUSTER_NAME}"
   else
@@ -125,7 +125,7 @@ delete_cluster() {
 }
 
 create_cluster() {
-  if kind get clusters 2>/dev/null | grep -qx "${CLUSTER_NAME}"; then
+  if grep -qx "${CLUSTER_NAME}" <<<"$(kind get clusters 2>/dev/null)"; then
     log "Reusing kind cluster ${CLUSTER_NAME}"
     return
   fi

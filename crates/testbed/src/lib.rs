@@ -5,6 +5,8 @@
 //!   `crates/testbed/envoy/`.
 //! - [`extproc_client`]: the gateway's side of ext_proc, message by message,
 //!   for protocol-level tests and the ext_proc load generator.
+//! - [`inference_perf`]: the field's load generator (PyPI `inference-perf`)
+//!   run as a process, and its per-stage reports read back.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
@@ -16,6 +18,7 @@
 pub mod envoy;
 pub mod extproc_client;
 pub mod http_client;
+pub mod inference_perf;
 pub mod load;
 pub mod proc_status;
 pub mod prom_reference;
