@@ -31,8 +31,11 @@ log() { printf '[peers] %s\n' "$*" >&2; }
 
 last_line() { tail -n 1; }
 
-log "peers: bench/peers/install.sh"
-peers_dir="$(bash bench/peers/install.sh gie-epp llmd-epp | last_line)"
+# smoke (CI): the two peer EPPs; full: everything, the peer simulator and
+# inference-perf included.
+if [[ "${mode}" == smoke ]]; then peers=(gie-epp llmd-epp); else peers=(all); fi
+log "peers: bench/peers/install.sh ${peers[*]}"
+peers_dir="$(bash bench/peers/install.sh "${peers[@]}" | last_line)"
 log "kube-apiserver and etcd: e2e/tools/install-k8s.sh"
 k8s_dir="${KINFERENCE_K8S_BIN_DIR:-$(bash e2e/tools/install-k8s.sh | last_line)}"
 log "Envoy: crates/testbed/envoy/install.sh"

@@ -13,7 +13,8 @@
 //!   zero-overhead baseline every latency is measured against;
 //! - `envoy-rr`: Envoy's own round-robin over the Pods, no ext_proc;
 //! - `kinference-queue` / `kinference-ttft`: our EPP with a one-rule policy
-//!   `minimize: QueueDepth` (the reference's queue scorer's objective) and
+//!   `minimize: QueueDepth, tieBreak: Random` (the reference's queue
+//!   scorer's objective, ties broken at random as its picker does) and
 //!   `minimize: PredictedTTFT` (our recommended default);
 //! - `gie-queue` / `gie-default`: the Inference Extension's EPP with only its
 //!   queue scorer, and with its default profile (queue + KV + prefix);
@@ -95,7 +96,11 @@ const QUEUE_POLICY: &str = "pool:
   targetPorts: [{ number: ${PORT} }]
 rules:
   - name: least-queued
-    route: { select: [{ type: Local, minimize: QueueDepth }] }
+    route:
+      select: [{ type: Local, minimize: QueueDepth }]
+      # As the reference's max-score picker does among equal scores (and as
+      # our linter asks: without it a burst lands on the first Pod).
+      tieBreak: Random
 ";
 const TTFT_POLICY: &str = "pool:
   selector: { app: peers-sim }
@@ -237,7 +242,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             name: "kinference-queue",
             route: Route::Epp(Peer::Kinference),
             config: Some(QUEUE_POLICY.into()),
-            what: "our EPP, one rule `minimize: QueueDepth`",
+            what: "our EPP, one rule `minimize: QueueDepth`, `tieBreak: Random`",
         },
         Contender {
             name: "gie-queue",
@@ -1102,11 +1107,11 @@ struct Report {
     skipped: Option<String>,
 }
 
-/// Workload (f): inference-perf's stages, and our reading of the EPP's CPU
-/// over the whole run.
+/// Workload (f): inference-perf's stages. (No EPP CPU per request: the
+/// run's long start, loading the tokenizer and generating prompts, would be
+/// mostly the EPP's idle scraping.)
 struct InferencePerfRun {
     stages: Vec<inference_perf::Stage>,
-    epp_cpu_us_per_request: Option<f64>,
 }
 
 // ---------------------------------------------------------------------------
@@ -1303,8 +1308,6 @@ impl Bench {
         let result = self.load_rt.block_on(async {
             let lane = self.set_up(contender, &sims.addrs()).await?;
             let base_url = lane.gateway.as_ref().context("no gateway")?.envoy.url("");
-            let epp = lane.pids().epp;
-            let before = epp.map(cpu::process_cpu);
             let rates = &self.plan.open_rates[0];
             let stages = tool
                 .run(
@@ -1315,9 +1318,6 @@ impl Bench {
                     &dir,
                 )
                 .await;
-            let used = epp
-                .zip(before)
-                .map(|(p, b)| cpu::process_cpu(p).saturating_sub(b));
             lane.stop().await;
             let stages = stages?;
             for s in &stages {
@@ -1326,12 +1326,7 @@ impl Bench {
                     contender.name, s.rate, s.successes, s.failures, s.ttft_ms[1]
                 );
             }
-            let requests: u64 = stages.iter().map(|s| s.successes + s.failures).sum();
-            let epp_cpu_us_per_request = used.map(|d| per_request_us(d, requests));
-            anyhow::Ok(InferencePerfRun {
-                stages,
-                epp_cpu_us_per_request,
-            })
+            anyhow::Ok(InferencePerfRun { stages })
         });
         self.sim_rt.block_on(sims.stop());
         result
@@ -1650,9 +1645,9 @@ fn print_inference_perf_table(reports: &[Report], stage: Duration) {
         stage.as_secs(),
     );
     println!(
-        "| rate | contender | ok | failed | achieved/s | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs gie-default | p90 vs envoy-rr | cached | EPP CPU µs/req (whole run) |"
+        "| rate | contender | ok | failed | achieved/s | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs gie-default | p90 vs envoy-rr | cached |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let p90_of = |name: &str, i: usize| {
         runs.iter()
             .find(|(n, _)| *n == name)
@@ -1664,7 +1659,7 @@ fn print_inference_perf_table(reports: &[Report], stage: Duration) {
             let Some(s) = run.stages.get(i) else { continue };
             let vs = |base: &str| p90_of(base, i).map_or("-".into(), |b| ratio(s.ttft_ms[1], b));
             println!(
-                "| {:.0}/s | {name} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0}% | {} |",
+                "| {:.0}/s | {name} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0}% |",
                 s.rate,
                 s.successes,
                 s.failures,
@@ -1676,8 +1671,6 @@ fn print_inference_perf_table(reports: &[Report], stage: Duration) {
                 vs("gie-default"),
                 vs("envoy-rr"),
                 s.cached_share * 100.0,
-                run.epp_cpu_us_per_request
-                    .map_or("-".into(), |v| format!("{v:.0}")),
             );
         }
     }
