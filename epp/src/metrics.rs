@@ -41,6 +41,7 @@ pub struct Metrics {
     streams_open: Gauge,
     buffered_body_bytes: Gauge,
     stream_refusals: Family<Labels, Counter>,
+    ttft_prediction_error: Family<Labels, Histogram>,
     scrape: Arc<ScrapeStats>,
 }
 
@@ -70,6 +71,9 @@ impl Default for Metrics {
         let streams_open = Gauge::default();
         let buffered_body_bytes = Gauge::default();
         let stream_refusals = Family::<Labels, Counter>::default();
+        let ttft_prediction_error = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0])
+        });
         let scrape = Arc::new(ScrapeStats::default());
         let mut r = Registry::with_prefix("kinference_epp");
         r.register(
@@ -147,6 +151,11 @@ impl Default for Metrics {
             "Streams answered before routing to protect the EPP, by reason (body_budget, idle_timeout)",
             stream_refusals.clone(),
         );
+        r.register(
+            "ttft_prediction_relative_error",
+            "|predicted - observed| / observed TTFT of each routed request the model predicted, by direction (over: predicted too slow, under: too fast)",
+            ttft_prediction_error.clone(),
+        );
         // kinference_epp_scrape_attempts_total, _scrape_failures_total{reason}
         scrape.register(&mut r);
         Metrics {
@@ -166,6 +175,7 @@ impl Default for Metrics {
             streams_open,
             buffered_body_bytes,
             stream_refusals,
+            ttft_prediction_error,
             scrape,
         }
     }
@@ -199,6 +209,21 @@ impl Metrics {
         self.decisions
             .get_or_create(&labels(&[("rule", rule), ("outcome", outcome)]))
             .inc();
+    }
+
+    /// How far the TTFT the decision predicted was from the one observed.
+    pub fn observe_ttft_prediction(&self, predicted: f64, observed: f64) {
+        if !(observed > 0.0 && predicted.is_finite()) {
+            return;
+        }
+        let direction = if predicted >= observed {
+            "over"
+        } else {
+            "under"
+        };
+        self.ttft_prediction_error
+            .get_or_create(&labels(&[("direction", direction)]))
+            .observe((predicted - observed).abs() / observed);
     }
 
     pub fn observe_classifier(&self, name: &str, took: Duration, error: Option<ClassifierError>) {

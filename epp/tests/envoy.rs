@@ -681,6 +681,49 @@ async fn with_response_headers_sent_success_and_ttft_are_recorded() {
     );
 }
 
+const FASTEST_FIRST_TOKEN: &str = "rules:
+  - name: fastest
+    route: { select: [{ type: Local, minimize: PredictedTTFT }] }
+";
+
+/// `name{direction="<direction>"}`'s value in the exposition, 0 if absent.
+fn sample(metrics: &str, name: &str, direction: &str) -> f64 {
+    let prefix = format!("{name}{{direction=\"{direction}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+#[tokio::test]
+async fn every_predicted_request_reports_its_ttft_prediction_error() {
+    let stack = Stack::start(Setup::new(Template::Streamed, FASTEST_FIRST_TOKEN, ab())).await;
+    for i in 0..12 {
+        let answer = stack.chat("qwen", &format!("question {i}"), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    for i in 0..2 {
+        assert_eq!(stack.learnt(i).await.running, 0);
+    }
+    let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+    let count = |d| {
+        sample(
+            &metrics,
+            "kinference_epp_ttft_prediction_relative_error_count",
+            d,
+        )
+    };
+    let sum = |d| {
+        sample(
+            &metrics,
+            "kinference_epp_ttft_prediction_relative_error_sum",
+            d,
+        )
+    };
+    assert_eq!(count("over") + count("under"), 12.0, "{metrics}");
+    assert!(sum("over") + sum("under") > 0.0, "{metrics}");
+}
+
 #[tokio::test]
 async fn with_response_headers_skipped_no_request_counts_as_a_failure() {
     let stack = Stack::start(Setup::new(Template::Buffered, GUARD_ERRORS, ab())).await;

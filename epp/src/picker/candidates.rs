@@ -168,6 +168,7 @@ impl CandidateSet {
                         .filter(|target| *target != request.model),
                         state: Arc::clone(&self.states[routed.winner]),
                         features: self.features[routed.winner],
+                        predicted_ttft: winner.metrics.predicted_ttft,
                         prefix_hashes: Vec::new(),
                         detail: None,
                     }),

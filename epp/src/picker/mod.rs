@@ -112,6 +112,8 @@ pub struct LocalPick {
     /// What the TTFT prediction was made from; `None` when the winner had no
     /// fresh metrics (nothing to calibrate the model with).
     pub features: Option<TtftFeatures>,
+    /// The winner's predicted TTFT in seconds, to compare with the observed.
+    pub predicted_ttft: Option<f64>,
     /// The prompt's prefix block hashes, to record once the answer is sent.
     pub prefix_hashes: Vec<u64>,
     /// The decision detail (`--decision-detail`), compact JSON.
@@ -339,6 +341,8 @@ pub struct Ticket {
     address: Option<String>,
     /// The TTFT prediction's inputs; `None` when there was no prediction.
     features: Option<TtftFeatures>,
+    /// The prediction itself, in seconds.
+    predicted_ttft: Option<f64>,
     decided_at: Instant,
 }
 
@@ -347,6 +351,7 @@ impl Ticket {
         state: Arc<DestinationState>,
         address: Option<String>,
         features: Option<TtftFeatures>,
+        predicted_ttft: Option<f64>,
     ) -> Self {
         let now = Instant::now();
         Ticket {
@@ -354,6 +359,7 @@ impl Ticket {
             state,
             address,
             features,
+            predicted_ttft,
             decided_at: now,
         }
     }
@@ -383,6 +389,7 @@ impl Router for Picker {
                     Arc::clone(&local.state),
                     local.addresses.first().cloned(),
                     local.features,
+                    local.predicted_ttft,
                 );
                 // Indexing a long prompt costs a few hundred microseconds:
                 // done beside the reply, not before it.
@@ -419,7 +426,7 @@ impl Router for Picker {
                         return (route, None);
                     }
                 };
-                let ticket = Ticket::new(p.state, None, None);
+                let ticket = Ticket::new(p.state, None, None, None);
                 let route = Route::Provider(ProviderRoute {
                     rule: p.rule,
                     provider: p.provider,
@@ -456,6 +463,10 @@ impl Router for Picker {
                 ticket.guard.record(Outcome::Failure, now);
             }
             _ => {
+                if let Some(predicted) = ticket.predicted_ttft {
+                    self.metrics
+                        .observe_ttft_prediction(predicted, ttft.as_secs_f64());
+                }
                 self.observe_ttft(&ticket.state, ticket.features.as_ref(), ttft);
                 ticket.guard.record(Outcome::Success, now);
             }
