@@ -8,6 +8,7 @@ pub mod cli;
 pub mod endpoints;
 pub mod extproc;
 pub mod k8s;
+pub mod kv_events;
 pub mod lists;
 pub mod metrics;
 pub mod picker;

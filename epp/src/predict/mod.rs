@@ -18,7 +18,7 @@
 pub mod destination;
 pub mod prefix;
 pub mod stats;
-mod sync;
+pub(crate) mod sync;
 pub mod ttft;
 
 pub use destination::{DestinationConfig, DestinationState};

@@ -1,0 +1,508 @@
+//! What one Pod's engines hold, rebuilt from their KV-cache events.
+//!
+//! The engine's own block hashes cannot be reproduced here (vLLM hashes with
+//! sha256 over its own keys, other engines differently), so every stored
+//! block is re-hashed into our own chain over its token ids: equal chain
+//! hashes mean equal token prefixes. A request's prompt, tokenized the way
+//! the engine tokenizes it, is hashed into the same chain and matched block
+//! by block. What must agree with the engine is therefore the token ids and
+//! the block size, not the hash algorithm.
+//!
+//! An index lives in its Pod's registry slot and is dropped with it, so a
+//! Pod recreated on the same IP starts empty. Its memory is bounded: past
+//! its capacity the oldest stored blocks are forgotten (the engine, whose
+//! cache is that size, has most likely evicted them too).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, OnceLock};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+use crate::predict::sync::lock;
+
+/// Blocks an index remembers per engine until the Pod's metrics say how
+/// large its KV cache is.
+pub const DEFAULT_CAPACITY: usize = 65_536;
+
+/// Per-process random seed of the token chain: prompts are
+/// attacker-controlled, so nobody can craft colliding blocks.
+fn chain_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(rand::random::<u64>)
+}
+
+/// The chain's root for a base model (`None`) or a LoRA adapter: blocks of
+/// different adapters never match each other.
+pub fn chain_root(lora: Option<&str>) -> u64 {
+    xxh3_64_with_seed(lora.unwrap_or("").as_bytes(), chain_seed())
+}
+
+/// The next link of the chain: `parent` followed by one block of tokens.
+fn link(parent: u64, tokens: &[u32], buf: &mut Vec<u8>) -> u64 {
+    buf.clear();
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(buf, parent)
+}
+
+/// Fills `out` with the chain hashes of `tokens`' full blocks of
+/// `block_size`, at most `max_blocks` of them.
+pub fn token_chain(
+    root: u64,
+    tokens: &[u32],
+    block_size: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) {
+    out.clear();
+    if block_size == 0 {
+        return;
+    }
+    let mut buf = Vec::with_capacity(block_size * 4);
+    let mut prev = root;
+    for block in tokens.chunks_exact(block_size).take(max_blocks) {
+        prev = link(prev, block, &mut buf);
+        out.push(prev);
+    }
+}
+
+/// What applying one batch found.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    pub stored: u64,
+    pub removed: u64,
+    /// Blocks stored after a parent this index does not know (a missed
+    /// event, or forgotten past capacity): kept so that their removal and
+    /// their children are recognised, but never matched.
+    pub orphaned: u64,
+    /// Blocks outside the GPU prefix cache of the first KV group (another
+    /// medium, another group, extra keys such as images): not matched.
+    pub skipped: u64,
+    /// `BlockStored` whose token count is not a whole number of blocks.
+    pub malformed: u64,
+    pub cleared: bool,
+}
+
+/// One engine (one data-parallel rank of a Pod).
+#[derive(Default)]
+struct Engine {
+    /// The engine's key → our chain hash; `None`: known but not matchable.
+    by_engine: HashMap<EngineBlock, Option<u64>>,
+    /// Our chain hash → how many engine blocks hold it.
+    held: HashMap<u64, u32>,
+    /// Stored keys, oldest first (may hold keys removed since).
+    order: VecDeque<EngineBlock>,
+    block_size: Option<u32>,
+}
+
+impl Engine {
+    fn store(&mut self, s: &BlockStored, cap: usize, applied: &mut Applied) {
+        let n = s.block_hashes.len();
+        let bs = s.block_size as usize;
+        if bs == 0 || s.token_ids.len() != n * bs {
+            applied.malformed += 1;
+            return;
+        }
+        let matchable = s.medium.as_deref().is_none_or(|m| m == "GPU")
+            && s.group_idx.unwrap_or(0) == 0
+            && !s.has_extra_keys;
+        let mut parent = match s.parent {
+            None => Some(chain_root(s.lora_name.as_deref())),
+            Some(p) => match self.by_engine.get(&p) {
+                Some(own) => *own,
+                None => {
+                    applied.orphaned += n as u64;
+                    None
+                }
+            },
+        };
+        if !matchable {
+            applied.skipped += n as u64;
+            parent = None;
+        }
+        self.block_size = Some(s.block_size);
+        let mut buf = Vec::with_capacity(bs * 4);
+        for (key, tokens) in s.block_hashes.iter().zip(s.token_ids.chunks_exact(bs)) {
+            let own = parent.map(|p| link(p, tokens, &mut buf));
+            self.forget(*key);
+            self.by_engine.insert(*key, own);
+            if let Some(h) = own {
+                *self.held.entry(h).or_default() += 1;
+            }
+            self.order.push_back(*key);
+            parent = own;
+            applied.stored += 1;
+        }
+        self.bound(cap);
+    }
+
+    /// Drops `key`, if held.
+    fn forget(&mut self, key: EngineBlock) -> bool {
+        let Some(own) = self.by_engine.remove(&key) else {
+            return false;
+        };
+        if let Some(h) = own
+            && let Some(count) = self.held.get_mut(&h)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.held.remove(&h);
+            }
+        }
+        true
+    }
+
+    /// Forgets the oldest blocks past `cap`, and compacts the order queue
+    /// when removals left it mostly stale.
+    fn bound(&mut self, cap: usize) {
+        while self.by_engine.len() > cap {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            self.forget(oldest);
+        }
+        if self.order.len() > 2 * self.by_engine.len() + 1024 {
+            let by_engine = &self.by_engine;
+            self.order.retain(|k| by_engine.contains_key(k));
+        }
+    }
+
+    fn clear(&mut self) {
+        *self = Engine {
+            block_size: self.block_size,
+            ..Engine::default()
+        };
+    }
+
+    /// Leading blocks of `chain` this engine holds.
+    fn cached_blocks(&self, chain: &[u64]) -> usize {
+        chain
+            .iter()
+            .take_while(|h| self.held.contains_key(h))
+            .count()
+    }
+}
+
+/// Where the index stands with its event stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// No event yet.
+    Empty,
+    /// Every event since the first one seen was applied.
+    Live,
+    /// Events were lost (a sequence gap with no replay): what the index
+    /// holds may be wrong until the engine clears its cache.
+    Stale,
+}
+
+struct Inner {
+    /// Per data-parallel rank (`None`: no data parallelism).
+    engines: HashMap<Option<u32>, Engine>,
+    next_seq: Option<u64>,
+    freshness: Freshness,
+    cap: usize,
+}
+
+/// What one Pod's engines hold.
+pub struct PodKvIndex {
+    inner: Mutex<Inner>,
+}
+
+impl Default for PodKvIndex {
+    fn default() -> Self {
+        PodKvIndex::new(DEFAULT_CAPACITY)
+    }
+}
+
+impl PodKvIndex {
+    /// An empty index of at most `cap` blocks per engine.
+    pub fn new(cap: usize) -> Self {
+        PodKvIndex {
+            inner: Mutex::new(Inner {
+                engines: HashMap::new(),
+                next_seq: None,
+                freshness: Freshness::Empty,
+                cap: cap.max(1),
+            }),
+        }
+    }
+
+    /// Applies the batch with sequence number `seq`. A gap (a sequence
+    /// number beyond the next expected one) marks the index stale; the
+    /// caller replays the missed batches first when the engine offers
+    /// replay. A sequence number that goes back means the publisher
+    /// restarted: the index starts over.
+    pub fn apply(&self, seq: u64, batch: &EventBatch) -> Applied {
+        let mut inner = lock(&self.inner);
+        match inner.next_seq {
+            Some(next) if seq > next => inner.freshness = Freshness::Stale,
+            Some(next) if seq < next => {
+                inner.engines.clear();
+                inner.freshness = Freshness::Live;
+            }
+            None => inner.freshness = Freshness::Live,
+            Some(_) => {}
+        }
+        inner.next_seq = Some(seq.wrapping_add(1));
+        let cap = inner.cap;
+        let engine = inner.engines.entry(batch.data_parallel_rank).or_default();
+        let mut applied = Applied::default();
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(s) => engine.store(s, cap, &mut applied),
+                KvEvent::Removed(r) => {
+                    for key in &r.block_hashes {
+                        applied.removed += u64::from(engine.forget(*key));
+                    }
+                }
+                KvEvent::AllCleared => {
+                    engine.clear();
+                    applied.cleared = true;
+                }
+            }
+        }
+        // A cleared cache holds nothing we could have missed.
+        if applied.cleared && inner.engines.values().all(|e| e.by_engine.is_empty()) {
+            inner.freshness = Freshness::Live;
+        }
+        applied
+    }
+
+    /// The sequence number the index expects next (`None` before the first).
+    pub fn next_seq(&self) -> Option<u64> {
+        lock(&self.inner).next_seq
+    }
+
+    pub fn freshness(&self) -> Freshness {
+        lock(&self.inner).freshness
+    }
+
+    /// Marks the index stale (its events stopped, or a replay failed).
+    pub fn mark_stale(&self) {
+        lock(&self.inner).freshness = Freshness::Stale;
+    }
+
+    /// Resizes to the engine's real cache (blocks per engine).
+    pub fn set_capacity(&self, cap: usize) {
+        let mut inner = lock(&self.inner);
+        inner.cap = cap.max(1);
+        let cap = inner.cap;
+        for e in inner.engines.values_mut() {
+            e.bound(cap);
+        }
+    }
+
+    /// The block size the engines publish (the first engine's), once known.
+    pub fn block_size(&self) -> Option<u32> {
+        lock(&self.inner)
+            .engines
+            .values()
+            .find_map(|e| e.block_size)
+    }
+
+    /// Leading blocks of `chain` held by the Pod: the best of its engines
+    /// (the Pod's server may give the request to any rank).
+    pub fn cached_blocks(&self, chain: &[u64]) -> usize {
+        let inner = lock(&self.inner);
+        inner
+            .engines
+            .values()
+            .map(|e| e.cached_blocks(chain))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Blocks remembered, all engines together.
+    pub fn len(&self) -> usize {
+        lock(&self.inner)
+            .engines
+            .values()
+            .map(|e| e.by_engine.len())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::wire::BlockRemoved;
+
+    const BS: u32 = 4;
+
+    fn stored(keys: &[u64], parent: Option<u64>, first_token: u32) -> KvEvent {
+        let n = keys.len() as u32 * BS;
+        KvEvent::Stored(BlockStored {
+            block_hashes: keys.iter().map(|&k| EngineBlock(k)).collect(),
+            parent: parent.map(EngineBlock),
+            token_ids: (first_token..first_token + n).collect(),
+            block_size: BS,
+            lora_name: None,
+            medium: Some("GPU".into()),
+            has_extra_keys: false,
+            group_idx: None,
+        })
+    }
+
+    fn removed(keys: &[u64]) -> KvEvent {
+        KvEvent::Removed(BlockRemoved {
+            block_hashes: keys.iter().map(|&k| EngineBlock(k)).collect(),
+            medium: Some("GPU".into()),
+            group_idx: None,
+        })
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+        }
+    }
+
+    /// The chain of a prompt of tokens `0..n`.
+    fn prompt(n: u32) -> Vec<u64> {
+        let tokens: Vec<u32> = (0..n).collect();
+        let mut out = Vec::new();
+        token_chain(chain_root(None), &tokens, BS as usize, 1024, &mut out);
+        out
+    }
+
+    #[test]
+    fn stored_blocks_match_the_prompt_that_shares_their_tokens() {
+        let ix = PodKvIndex::default();
+        ix.apply(0, &batch(vec![stored(&[10, 11], None, 0)]));
+        ix.apply(1, &batch(vec![stored(&[12], Some(11), 8)]));
+        assert_eq!(ix.cached_blocks(&prompt(20)), 3);
+        assert_eq!(ix.cached_blocks(&prompt(9)), 2, "only full blocks");
+        // Same tokens after a different first block: no match at all.
+        let mut other = Vec::new();
+        let tokens: Vec<u32> = (1..21).collect();
+        token_chain(chain_root(None), &tokens, BS as usize, 1024, &mut other);
+        assert_eq!(ix.cached_blocks(&other), 0);
+        assert_eq!(ix.freshness(), Freshness::Live);
+    }
+
+    #[test]
+    fn a_removed_block_ends_the_match_there() {
+        let ix = PodKvIndex::default();
+        ix.apply(0, &batch(vec![stored(&[10, 11, 12], None, 0)]));
+        let a = ix.apply(1, &batch(vec![removed(&[11, 99])]));
+        assert_eq!(a.removed, 1, "an unknown key is not counted");
+        assert_eq!(ix.cached_blocks(&prompt(12)), 1);
+    }
+
+    #[test]
+    fn all_blocks_cleared_empties_the_engine_and_makes_a_stale_index_live() {
+        let ix = PodKvIndex::default();
+        ix.apply(0, &batch(vec![stored(&[10, 11], None, 0)]));
+        ix.apply(5, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Stale);
+        let a = ix.apply(6, &batch(vec![KvEvent::AllCleared]));
+        assert!(a.cleared);
+        assert_eq!(ix.cached_blocks(&prompt(8)), 0);
+        assert!(ix.is_empty());
+        assert_eq!(ix.freshness(), Freshness::Live);
+    }
+
+    #[test]
+    fn children_of_an_unknown_parent_are_known_but_never_matched() {
+        let ix = PodKvIndex::default();
+        let a = ix.apply(0, &batch(vec![stored(&[21, 22], Some(20), 4)]));
+        assert_eq!(a.orphaned, 2);
+        // Its own children are orphans too, and their removal still works.
+        ix.apply(1, &batch(vec![stored(&[23], Some(22), 12)]));
+        assert_eq!(ix.len(), 3);
+        ix.apply(2, &batch(vec![removed(&[21, 22, 23])]));
+        assert!(ix.is_empty());
+        assert_eq!(ix.cached_blocks(&prompt(16)), 0);
+    }
+
+    #[test]
+    fn a_sequence_gap_marks_stale_and_a_restart_starts_over() {
+        let ix = PodKvIndex::default();
+        ix.apply(7, &batch(vec![stored(&[10], None, 0)]));
+        ix.apply(8, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Live);
+        ix.apply(10, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Stale);
+        // The publisher restarted (sequence back to 0): its cache is new.
+        ix.apply(0, &batch(vec![stored(&[30], None, 100)]));
+        assert_eq!(ix.freshness(), Freshness::Live);
+        assert_eq!(ix.cached_blocks(&prompt(4)), 0);
+        assert_eq!(ix.next_seq(), Some(1));
+    }
+
+    #[test]
+    fn other_media_groups_and_extra_keys_are_not_matched() {
+        for tweak in [
+            |s: &mut BlockStored| s.medium = Some("CPU".into()),
+            |s: &mut BlockStored| s.group_idx = Some(1),
+            |s: &mut BlockStored| s.has_extra_keys = true,
+        ] {
+            let ix = PodKvIndex::default();
+            let KvEvent::Stored(mut s) = stored(&[10], None, 0) else {
+                unreachable!()
+            };
+            tweak(&mut s);
+            let a = ix.apply(0, &batch(vec![KvEvent::Stored(s)]));
+            assert_eq!(a.skipped, 1);
+            assert_eq!(ix.cached_blocks(&prompt(4)), 0);
+        }
+    }
+
+    #[test]
+    fn a_token_count_that_is_not_whole_blocks_is_malformed_and_ignored() {
+        let ix = PodKvIndex::default();
+        let KvEvent::Stored(mut s) = stored(&[10, 11], None, 0) else {
+            unreachable!()
+        };
+        s.token_ids.pop();
+        let a = ix.apply(0, &batch(vec![KvEvent::Stored(s)]));
+        assert_eq!((a.malformed, a.stored), (1, 0));
+        assert!(ix.is_empty());
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_separate_engines_and_the_best_one_counts() {
+        let ix = PodKvIndex::default();
+        let mut b = batch(vec![stored(&[10], None, 0)]);
+        b.data_parallel_rank = Some(0);
+        ix.apply(0, &b);
+        let mut b = batch(vec![stored(&[10, 11, 12], None, 0)]);
+        b.data_parallel_rank = Some(1);
+        ix.apply(1, &b);
+        assert_eq!(ix.cached_blocks(&prompt(12)), 3);
+        let mut b = batch(vec![removed(&[10])]);
+        b.data_parallel_rank = Some(1);
+        ix.apply(2, &b);
+        assert_eq!(
+            ix.cached_blocks(&prompt(12)),
+            1,
+            "rank 0 still holds block 0"
+        );
+    }
+
+    #[test]
+    fn a_flood_of_stored_blocks_stays_within_capacity() {
+        let ix = PodKvIndex::new(1_000);
+        let mut parent = None;
+        for i in 0..50_000u64 {
+            ix.apply(i, &batch(vec![stored(&[i], parent, (i as u32) * BS)]));
+            parent = Some(i);
+        }
+        assert_eq!(ix.len(), 1_000);
+        let inner = lock(&ix.inner);
+        let e = &inner.engines[&None];
+        assert!(e.order.len() <= 2 * 1_000 + 1024);
+        assert!(e.held.len() <= 1_000);
+        drop(inner);
+        ix.set_capacity(10);
+        assert_eq!(ix.len(), 10);
+    }
+}
