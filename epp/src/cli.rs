@@ -9,6 +9,13 @@ use clap::Parser;
 use kinference_policy::duration::parse_duration;
 use kinference_runtime::{LogArgs, LogFormat};
 
+/// Tokenizers of precise prefix mode.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventsTokenizer {
+    /// llm-d-inference-sim's `--force-dummy-tokenizer` (tests only).
+    SimulatorDummy,
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "kinference-epp",
@@ -33,6 +40,19 @@ pub struct Args {
     /// port-forward`. Off unless set.
     #[arg(long, value_name = "PORT")]
     pub debug_port: Option<u16>,
+    /// Precise prefix mode: listen for the model servers' KV-cache events
+    /// on this port (vLLM `--kv-events-config` publisher `tcp://<epp>:PORT`,
+    /// topic `kv@$(POD_IP)@<model>`). Off unless set.
+    #[arg(long, value_name = "PORT", requires = "kv_events_tokenizer")]
+    pub kv_events_port: Option<u16>,
+    /// How precise mode tokenizes prompts. `simulator-dummy`: the dummy
+    /// tokenizer of llm-d-inference-sim, for tests against it only.
+    #[arg(long, value_enum, requires = "kv_events_port")]
+    pub kv_events_tokenizer: Option<KvEventsTokenizer>,
+    /// A prompt not tokenized within this time is matched by the
+    /// approximate prefix index instead.
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    pub kv_events_tokenize_budget: Duration,
     /// ConfigMap holding the compiled policy (watched through the API).
     #[arg(long, conflicts_with = "policy_file")]
     pub policy_configmap: Option<String>,

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kinference_epp::cli::Args;
+use kinference_epp::cli::{Args, KvEventsTokenizer};
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
+use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::server::{Epp, Settings, bind};
 use kinference_epp::{policy_file, provider_keys};
@@ -135,8 +136,19 @@ async fn main() -> anyhow::Result<()> {
         Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
         None => None,
     };
+    let kv_events = match args.kv_events_port {
+        Some(port) => Some(bind(at(port)).await?),
+        None => None,
+    };
+    if let Some(KvEventsTokenizer::SimulatorDummy) = args.kv_events_tokenizer {
+        let tokenizer = Tokenizer::simulator_dummy();
+        let budget = args.kv_events_tokenize_budget;
+        epp.picker
+            .enable_precise_prefix(PromptTokenizer::new(tokenizer, budget));
+    }
     tracing::info!(
         address = %args.bind_address,
+        kv_events = ?args.kv_events_port,
         grpc = args.grpc_port,
         health = args.grpc_health_port,
         metrics = args.metrics_port,
@@ -159,6 +171,7 @@ async fn main() -> anyhow::Result<()> {
                 epp.serve_health(health, stopped()),
                 epp.serve_http(http, stopped()),
                 epp.serve_debug(debug, stopped()),
+                epp.serve_kv_events(kv_events, stopped()),
             )
         }
     });

@@ -264,9 +264,19 @@ impl Metrics {
     }
 
     /// Registers a counter another part owns, after start-up.
-    fn register_counter(&self, name: &str, help: &str, counter: Counter) {
+    pub(crate) fn register_counter(&self, name: &str, help: &str, counter: Counter) {
+        self.register_metric(name, help, counter);
+    }
+
+    /// Serves `metric` as `kinference_epp_<name>`.
+    pub(crate) fn register_metric(
+        &self,
+        name: &str,
+        help: &str,
+        metric: impl prometheus_client::registry::Metric,
+    ) {
         let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        registry.register(name, help, counter);
+        registry.register(name, help, metric);
     }
 
     /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].

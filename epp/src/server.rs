@@ -266,6 +266,29 @@ impl Epp {
         Ok(())
     }
 
+    /// The KV-events port (precise prefix mode): engines publish here and
+    /// each Pod's index follows what it holds. With no listener, waits for
+    /// `shutdown`.
+    pub async fn serve_kv_events(
+        &self,
+        listener: Option<TcpListener>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let Some(listener) = listener else {
+            shutdown.await;
+            return Ok(());
+        };
+        let stats = Arc::new(crate::kv_events::subscriber::EventStats::default());
+        stats.register(&self.picker.metrics);
+        let registry = Arc::clone(self.registry());
+        let limits = crate::kv_events::zmtp::Limits::default();
+        tokio::select! {
+            result = crate::kv_events::subscriber::serve(listener, registry, stats, limits) => result?,
+            () = shutdown => {}
+        }
+        Ok(())
+    }
+
     /// `/metrics`, `/healthz`, `/readyz`.
     pub async fn serve_http(
         &self,

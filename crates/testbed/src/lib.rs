@@ -7,6 +7,8 @@
 //!   for protocol-level tests and the ext_proc load generator.
 //! - [`inference_perf`]: the field's load generator (PyPI `inference-perf`)
 //!   run as a process, and its per-stage reports read back.
+//! - [`llmd_sim`]: llm-d-inference-sim processes, the real KV-event
+//!   publishers of the precise-prefix tests.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
@@ -19,6 +21,7 @@ pub mod envoy;
 pub mod extproc_client;
 pub mod http_client;
 pub mod inference_perf;
+pub mod llmd_sim;
 pub mod load;
 pub mod proc_status;
 pub mod prom_reference;

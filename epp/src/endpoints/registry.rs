@@ -471,6 +471,18 @@ impl EndpointRegistry {
             .find(|s| s.endpoint.address() == address)
             .map(|s| Arc::clone(&s.state))
     }
+
+    /// The states of every endpoint on `ip` (a Pod's KV events name its IP,
+    /// not a port).
+    pub fn states_on_ip(&self, ip: std::net::IpAddr) -> Vec<Arc<DestinationState>> {
+        self.table
+            .load()
+            .slots
+            .iter()
+            .filter(|s| s.endpoint.ip == ip)
+            .map(|s| Arc::clone(&s.state))
+            .collect()
+    }
 }
 
 impl Slot {

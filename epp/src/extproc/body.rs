@@ -44,6 +44,9 @@ pub struct ParsedBody {
     pub model: Option<String>,
     /// The prompt text, messages joined in order (for classifiers and prefix hashing).
     pub prompt: String,
+    /// Chat requests: each message's role and content as byte ranges of
+    /// `prompt`, for tokenizers that render the chat themselves.
+    pub messages: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
     pub max_tokens: Option<u64>,
     pub stream: bool,
 }
@@ -116,14 +119,18 @@ pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
     let wire: Wire<'_> =
         serde_json::from_slice(bytes).map_err(|e| BodyError::NotJson(e.to_string()))?;
     let mut prompt = String::new();
+    let mut messages = Vec::new();
     if let Some(instructions) = &wire.instructions {
         push_line(&mut prompt, instructions);
     }
     for message in wire.messages.iter().flatten() {
-        if let Some(role) = &message.role {
-            prompt.push_str(role);
+        let mut role = prompt.len()..prompt.len();
+        if let Some(r) = &message.role {
+            prompt.push_str(r);
+            role.end = prompt.len();
             prompt.push_str(": ");
         }
+        let content_start = prompt.len();
         match &message.content {
             Some(Content::Text(t)) => push_line(&mut prompt, t),
             Some(Content::Parts(parts)) => {
@@ -133,6 +140,9 @@ pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
             }
             None => prompt.push('\n'),
         }
+        // Without the line end each message's text is given.
+        let content_end = (prompt.len() - 1).max(content_start);
+        messages.push((role, content_start..content_end));
     }
     // `prompt` / `input`: a string, a list of strings, or token ids and
     // message objects, whose JSON text still identifies the prefix and sizes
@@ -153,6 +163,7 @@ pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
     Ok(ParsedBody {
         model: wire.model.map(Cow::into_owned).filter(|m| !m.is_empty()),
         prompt,
+        messages,
         max_tokens: wire
             .max_tokens
             .or(wire.max_completion_tokens)
@@ -250,6 +261,12 @@ mod tests {
         let chat = parse(br#"{"model":"qwen","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":7,"stream":true}"#).unwrap();
         assert_eq!(chat.model.as_deref(), Some("qwen"));
         assert_eq!(chat.prompt, "system: be brief\nuser: hi\n");
+        let spans: Vec<(&str, &str)> = chat
+            .messages
+            .iter()
+            .map(|(r, c)| (&chat.prompt[r.clone()], &chat.prompt[c.clone()]))
+            .collect();
+        assert_eq!(spans, [("system", "be brief"), ("user", "hi")]);
         assert_eq!((chat.max_tokens, chat.stream), (Some(7), true));
         let completion = parse(br#"{"model":"m","prompt":["a","b"],"max_tokens":3}"#).unwrap();
         assert_eq!(completion.prompt, "a\nb\n");

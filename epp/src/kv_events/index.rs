@@ -25,6 +25,9 @@ use crate::predict::sync::lock;
 /// large its KV cache is.
 pub const DEFAULT_CAPACITY: usize = 65_536;
 
+/// The parent llm-d-inference-sim gives a sequence's first block.
+const NO_PARENT: EngineBlock = EngineBlock(0);
+
 /// Per-process random seed of the token chain: prompts are
 /// attacker-controlled, so nobody can craft colliding blocks.
 fn chain_seed() -> u64 {
@@ -109,7 +112,9 @@ impl Engine {
             && s.group_idx.unwrap_or(0) == 0
             && !s.has_extra_keys;
         let mut parent = match s.parent {
-            None => Some(chain_root(s.lora_name.as_deref())),
+            // llm-d-inference-sim writes 0, not nil, for "no parent"; a
+            // real block hashing to 0 is a 2^-64 chance.
+            None | Some(NO_PARENT) => Some(chain_root(s.lora_name.as_deref())),
             Some(p) => match self.by_engine.get(&p) {
                 Some(own) => *own,
                 None => {
@@ -386,6 +391,14 @@ mod tests {
         token_chain(chain_root(None), &tokens, BS as usize, 1024, &mut other);
         assert_eq!(ix.cached_blocks(&other), 0);
         assert_eq!(ix.freshness(), Freshness::Live);
+    }
+
+    #[test]
+    fn a_zero_parent_starts_a_sequence_as_llm_d_inference_sim_sends_it() {
+        let ix = PodKvIndex::default();
+        let a = ix.apply(1, &batch(vec![stored(&[10, 11], Some(0), 0)]));
+        assert_eq!(a.orphaned, 0);
+        assert_eq!(ix.cached_blocks(&prompt(8)), 2);
     }
 
     #[test]

@@ -3,10 +3,18 @@
 //! llm-d-inference-sim's `--zmq-endpoint`).
 //!
 //! - [`wire`]: the ZMQ messages and both msgpack encodings of the events.
+//! - [`zmtp`]: the subscribing end of ZeroMQ's wire protocol, bounded.
+//! - [`subscriber`]: the events port: connections, decoding, the Pod a
+//!   topic names, counters.
+//! - [`tokenize`]: prompts as the engine tokenizes them, off the runtime
+//!   and within a budget.
 //! - [`index`]: [`PodKvIndex`], one Pod's engines' blocks re-hashed into our
 //!   own token chain, with sequence tracking and bounded memory.
 
 pub mod index;
+pub mod subscriber;
+pub mod tokenize;
 pub mod wire;
+pub mod zmtp;
 
 pub use index::{Applied, Freshness, PodKvIndex, chain_root, token_chain};

@@ -10,6 +10,8 @@ use kinference_policy::model::Price;
 use std::sync::Arc;
 
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
+use crate::kv_events::Freshness;
+use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
 use crate::predict::{DestinationState, TtftFeatures};
 
@@ -26,6 +28,7 @@ impl CandidateSet {
         policy: &LoadedPolicy,
         request: &Request,
         hashes: &[u64],
+        tokens: Option<&PromptTokens>,
         subset: Option<&[String]>,
     ) -> Self {
         let now = Instant::now();
@@ -49,7 +52,7 @@ impl CandidateSet {
             }
             let ep = &view.endpoint;
             let state = &view.state;
-            let cached = (state.prefix.cached_blocks(hashes) as f64 * tokens_per_block).min(prompt);
+            let cached = cached_prefix_tokens(state, hashes, tokens_per_block, tokens).min(prompt);
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do
             // not show yet: without them a burst ties every endpoint at the
@@ -201,6 +204,26 @@ impl CandidateSet {
                 }
             }
         }
+    }
+}
+
+/// The prompt's leading tokens `state`'s Pod holds: from its engines' KV
+/// events when the prompt was tokenized and the Pod's index is live, else
+/// from what was routed there.
+fn cached_prefix_tokens(
+    state: &DestinationState,
+    hashes: &[u64],
+    tokens_per_block: f64,
+    tokens: Option<&PromptTokens>,
+) -> f64 {
+    let precise = tokens
+        .filter(|_| state.kv.freshness() == Freshness::Live)
+        .zip(state.kv.block_size());
+    match precise {
+        Some((t, block_size)) => {
+            state.kv.cached_blocks(&t.chain(block_size)) as f64 * f64::from(block_size)
+        }
+        None => state.prefix.cached_blocks(hashes) as f64 * tokens_per_block,
     }
 }
 

@@ -28,6 +28,7 @@ use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
 use crate::extproc::body::estimate_tokens;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
+use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
 use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
 use crate::predict::{
@@ -69,6 +70,8 @@ pub struct Picker {
     pub recent: RecentDecisions,
     /// `--decision-log`, set once at start.
     pub decision_log: std::sync::OnceLock<DecisionLog>,
+    /// `--kv-events-port`: the tokenizer of precise prefix mode.
+    precise: std::sync::OnceLock<PromptTokenizer>,
     pub config: PickerConfig,
     /// API keys of providers, by provider name.
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
@@ -162,9 +165,27 @@ impl Picker {
             metrics,
             recent: RecentDecisions::new(64),
             decision_log: std::sync::OnceLock::new(),
+            precise: std::sync::OnceLock::new(),
             config,
             provider_keys: Default::default(),
         }
+    }
+
+    /// Precise prefix mode: matches prompts against the engines' KV events
+    /// with this tokenizer. Set once, at start.
+    pub fn enable_precise_prefix(&self, tokenizer: PromptTokenizer) {
+        tokenizer.register(&self.metrics);
+        let _ = self.precise.set(tokenizer);
+    }
+
+    /// The prompt's tokens in precise mode, if tokenized in time.
+    async fn prompt_tokens(&self, incoming: &Incoming<'_>) -> Option<PromptTokens> {
+        let tokenizer = self.precise.get()?;
+        let prompt = PromptText {
+            text: incoming.body.prompt.clone(),
+            messages: incoming.body.messages.clone(),
+        };
+        tokenizer.tokenize(prompt).await
     }
 
     /// Decides one request. Never panics on odd input; an unusable request is
@@ -190,7 +211,15 @@ impl Picker {
         }
         let mut hashes = Vec::new();
         block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
-        let set = CandidateSet::build(self, &policy, &request, &hashes, incoming.subset);
+        let tokens = self.prompt_tokens(incoming).await;
+        let set = CandidateSet::build(
+            self,
+            &policy,
+            &request,
+            &hashes,
+            tokens.as_ref(),
+            incoming.subset,
+        );
         let seed = rand::random::<u64>();
         let (decision, tags) = self.evaluate(&policy, &request, &set, incoming, seed).await;
         let mut pick = set.to_pick(self, &policy, &request, &decision);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::stats::{DestStats, StatsConfig};
 use super::ttft::EndpointTtft;
+use crate::kv_events::PodKvIndex;
 
 /// How a new destination's state starts.
 #[derive(Debug, Clone, Copy)]
@@ -31,6 +32,9 @@ pub struct DestinationState {
     pub stats: Arc<DestStats>,
     pub prefix: PrefixCache,
     pub ttft: EndpointTtft,
+    /// What the Pod's engines hold, from their KV events (precise mode);
+    /// empty when they publish none.
+    pub kv: PodKvIndex,
 }
 
 impl DestinationState {
@@ -39,6 +43,7 @@ impl DestinationState {
             stats: Arc::new(DestStats::new(config.stats)),
             prefix: PrefixCache::new(config.prefix_blocks),
             ttft: EndpointTtft::default(),
+            kv: PodKvIndex::default(),
         })
     }
 
@@ -51,6 +56,8 @@ impl DestinationState {
             && size > 0
         {
             self.prefix.set_capacity(blocks_for_kv_cache(blocks, size));
+            self.kv
+                .set_capacity(usize::try_from(blocks).unwrap_or(usize::MAX));
         }
         self.stats.note_scrape();
     }

@@ -1,0 +1,89 @@
+//! llm-d-inference-sim, the llm-d project's model-server simulator, as the
+//! real publisher of KV-cache events in the precise-prefix tests: built from
+//! the Go module proxy by `bench/peers/install.sh llmd-sim` and cached.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{Context as _, bail};
+use tokio::process::{Child, Command};
+
+/// `$KINFERENCE_LLMD_SIM`, else the cached build, building it when missing
+/// (minutes, cold; needs Go and the module proxy).
+pub async fn ensure_llmd_sim() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("KINFERENCE_LLMD_SIM").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(path));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/peers/install.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("llmd-sim")
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} llmd-sim failed", script.display());
+    }
+    let dir = String::from_utf8_lossy(&out.stdout);
+    let dir = dir
+        .lines()
+        .last()
+        .context("install.sh printed no directory")?;
+    Ok(Path::new(dir.trim()).join("llmd-sim"))
+}
+
+/// One simulator process: a Pod at `ip` serving `model` on `port` (it
+/// listens on every address), publishing its KV events to `events`.
+pub struct LlmdSim {
+    child: Child,
+    pub addr: SocketAddr,
+}
+
+impl LlmdSim {
+    pub async fn start(
+        bin: &Path,
+        ip: IpAddr,
+        port: u16,
+        model: &str,
+        block_size: u32,
+        events: SocketAddr,
+    ) -> anyhow::Result<LlmdSim> {
+        let child = Command::new(bin)
+            .args(["--port", &port.to_string(), "--model", model])
+            .args(["--enable-kvcache", "--kv-cache-size", "1024"])
+            .args(["--block-size", &block_size.to_string()])
+            .args(["--force-dummy-tokenizer", "--max-model-len", "100000"])
+            .arg("--zmq-endpoint")
+            .arg(format!("tcp://{events}"))
+            .env("POD_IP", ip.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let addr = SocketAddr::new(ip, port);
+        let sim = LlmdSim { child, addr };
+        sim.wait_serving().await?;
+        Ok(sim)
+    }
+
+    async fn wait_serving(&self) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while tokio::net::TcpStream::connect(self.addr).await.is_err() {
+            if std::time::Instant::now() > deadline {
+                bail!(
+                    "llm-d-inference-sim not serving on {} after 30 s",
+                    self.addr
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}

@@ -1,0 +1,277 @@
+//! Prompts as the engine tokenizes them, for matching against what its KV
+//! events say it holds.
+//!
+//! Tokenizing runs off the async runtime, at most [`MAX_IN_FLIGHT`] at once,
+//! and within a time budget: a request whose prompt is not tokenized in time
+//! (or finds every tokenizer busy) is matched by the approximate index
+//! instead, and the metrics say so.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use regex::Regex;
+use tokio::sync::Semaphore;
+
+use super::index::{chain_root, token_chain};
+use crate::predict::MAX_BLOCKS;
+
+/// Tokenizations running at once, at most.
+pub const MAX_IN_FLIGHT: usize = 4;
+
+/// What a tokenizer needs of a request: the prompt text as the EPP parsed
+/// it, and for chat requests each message's role and content in it.
+#[derive(Debug, Clone, Default)]
+pub struct PromptText {
+    pub text: String,
+    pub messages: Vec<(Range<usize>, Range<usize>)>,
+}
+
+/// How prompts are turned into token ids.
+#[derive(Debug, Clone)]
+pub enum Tokenizer {
+    /// llm-d-inference-sim's `--force-dummy-tokenizer`: FOR TESTS AGAINST
+    /// THAT SIMULATOR ONLY. A chat is rendered `"### <role>: <content>\n"`
+    /// per message, tokens are the matches of a fixed pattern (a word or one
+    /// punctuation character, with the whitespace after it) and each id is
+    /// the FNV-1a 32-bit hash of its match.
+    SimulatorDummy(Regex),
+}
+
+impl Tokenizer {
+    pub fn simulator_dummy() -> Tokenizer {
+        // Go's RE2 `\w` and `\s` are ASCII-only: spelled out here.
+        let pattern = r#"(\{|\}|:|,|-|\.|\?|!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|-|_|~|/|\\|>|<|\[|\]|=|"|'|[0-9A-Za-z_]+)([\t\n\x0C\r ]*)"#;
+        Tokenizer::SimulatorDummy(Regex::new(pattern).expect("a valid pattern"))
+    }
+
+    /// The token ids of `prompt`.
+    pub fn tokens(&self, prompt: &PromptText) -> Vec<u32> {
+        match self {
+            Tokenizer::SimulatorDummy(re) => {
+                let rendered;
+                let text = if prompt.messages.is_empty() {
+                    prompt.text.strip_suffix('\n').unwrap_or(&prompt.text)
+                } else {
+                    rendered = render_simulator_chat(prompt);
+                    &rendered
+                };
+                re.find_iter(text).map(|m| fnv1a_32(m.as_str())).collect()
+            }
+        }
+    }
+}
+
+fn render_simulator_chat(prompt: &PromptText) -> String {
+    let mut out = String::with_capacity(prompt.text.len() + 8 * prompt.messages.len());
+    for (role, content) in &prompt.messages {
+        out.push_str("### ");
+        out.push_str(&prompt.text[role.clone()]);
+        out.push_str(": ");
+        out.push_str(&prompt.text[content.clone()]);
+        out.push('\n');
+    }
+    out
+}
+
+fn fnv1a_32(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5, |h: u32, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// A request's prompt tokens, and its chain per block size (engines may
+/// use different ones).
+#[derive(Debug)]
+pub struct PromptTokens {
+    tokens: Vec<u32>,
+    root: u64,
+    chains: std::sync::Mutex<Vec<(u32, Arc<[u64]>)>>,
+}
+
+impl PromptTokens {
+    pub fn new(tokens: Vec<u32>) -> PromptTokens {
+        PromptTokens {
+            tokens,
+            root: chain_root(None),
+            chains: Default::default(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The chain of full blocks of `block_size` tokens.
+    pub fn chain(&self, block_size: u32) -> Arc<[u64]> {
+        let mut chains = crate::predict::sync::lock(&self.chains);
+        if let Some((_, c)) = chains.iter().find(|(bs, _)| *bs == block_size) {
+            return Arc::clone(c);
+        }
+        let mut out = Vec::new();
+        token_chain(
+            self.root,
+            &self.tokens,
+            block_size as usize,
+            MAX_BLOCKS,
+            &mut out,
+        );
+        let chain: Arc<[u64]> = out.into();
+        chains.push((block_size, Arc::clone(&chain)));
+        chain
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Outcome {
+    outcome: &'static str,
+}
+
+/// The tokenizer, its budget and its bound.
+pub struct PromptTokenizer {
+    tokenizer: Arc<Tokenizer>,
+    budget: Duration,
+    slots: Arc<Semaphore>,
+    outcomes: Family<Outcome, Counter>,
+}
+
+impl PromptTokenizer {
+    pub fn new(tokenizer: Tokenizer, budget: Duration) -> PromptTokenizer {
+        PromptTokenizer {
+            tokenizer: Arc::new(tokenizer),
+            budget,
+            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            outcomes: Family::default(),
+        }
+    }
+
+    /// Serves `kinference_epp_prompt_tokenizations_total{outcome}`: `ok`,
+    /// `over_budget`, `busy` (the last two fall back to the approximate
+    /// index).
+    pub fn register(&self, metrics: &crate::metrics::Metrics) {
+        metrics.register_metric(
+            "prompt_tokenizations",
+            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget and busy fall back to the approximate index)",
+            self.outcomes.clone(),
+        );
+    }
+
+    fn count(&self, outcome: &'static str) {
+        self.outcomes.get_or_create(&Outcome { outcome }).inc();
+    }
+
+    /// Tokenizes `prompt` on the blocking pool within the budget; `None`
+    /// when over budget or every slot is taken.
+    pub async fn tokenize(&self, prompt: PromptText) -> Option<PromptTokens> {
+        let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() else {
+            self.count("busy");
+            return None;
+        };
+        let tokenizer = Arc::clone(&self.tokenizer);
+        // The permit goes with the work: a tokenization that outlives its
+        // budget still holds its slot until it ends.
+        let work = tokio::task::spawn_blocking(move || {
+            let tokens = tokenizer.tokens(&prompt);
+            drop(permit);
+            tokens
+        });
+        match tokio::time::timeout(self.budget, work).await {
+            Ok(Ok(tokens)) => {
+                self.count("ok");
+                Some(PromptTokens::new(tokens))
+            }
+            _ => {
+                self.count("over_budget");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(messages: &[(&str, &str)]) -> PromptText {
+        let mut p = PromptText::default();
+        for (role, content) in messages {
+            let r = p.text.len()..p.text.len() + role.len();
+            p.text.push_str(role);
+            p.text.push_str(": ");
+            let c = p.text.len()..p.text.len() + content.len();
+            p.text.push_str(content);
+            p.text.push('\n');
+            p.messages.push((r, c));
+        }
+        p
+    }
+
+    #[test]
+    fn fnv1a_32_matches_its_published_vectors() {
+        assert_eq!(fnv1a_32(""), 0x811c_9dc5);
+        assert_eq!(fnv1a_32("a"), 0xe40c_292c);
+        assert_eq!(fnv1a_32("foobar"), 0xbf9c_f968);
+    }
+
+    #[test]
+    fn the_simulator_dummy_splits_words_and_punctuation_with_their_whitespace() {
+        let Tokenizer::SimulatorDummy(re) = Tokenizer::simulator_dummy();
+        let parts: Vec<&str> = re
+            .find_iter("### user: Hi, _x_y  there!\n")
+            .map(|m| m.as_str())
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                "#", "#", "# ", "user", ": ", "Hi", ", ", "_", "x_y  ", "there", "!\n"
+            ]
+        );
+        // Non-ASCII letters are not word characters in Go's RE2.
+        assert_eq!(re.find_iter("é").count(), 0);
+    }
+
+    #[test]
+    fn a_chat_renders_as_the_simulator_renders_it() {
+        let t = Tokenizer::simulator_dummy();
+        let p = chat(&[("system", "be brief"), ("user", "hello")]);
+        let direct = Tokenizer::simulator_dummy();
+        let Tokenizer::SimulatorDummy(re) = &direct;
+        let expected: Vec<u32> = re
+            .find_iter("### system: be brief\n### user: hello\n")
+            .map(|m| fnv1a_32(m.as_str()))
+            .collect();
+        assert_eq!(t.tokens(&p), expected);
+    }
+
+    #[test]
+    fn chains_are_cached_per_block_size() {
+        let p = PromptTokens::new((0..40).collect());
+        assert_eq!(p.chain(16).len(), 2);
+        assert_eq!(p.chain(8).len(), 5);
+        assert!(Arc::ptr_eq(&p.chain(16), &p.chain(16)));
+    }
+
+    #[tokio::test]
+    async fn over_budget_or_busy_falls_back_and_is_counted() {
+        let t = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::ZERO);
+        let big = PromptText {
+            text: "word ".repeat(200_000),
+            messages: Vec::new(),
+        };
+        assert!(t.tokenize(big).await.is_none());
+        let t = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::from_secs(5));
+        let _held: Vec<_> = (0..MAX_IN_FLIGHT)
+            .map(|_| Arc::clone(&t.slots).try_acquire_owned().unwrap())
+            .collect();
+        assert!(t.tokenize(chat(&[("user", "hi")])).await.is_none());
+        let ok = Outcome { outcome: "busy" };
+        assert_eq!(t.outcomes.get_or_create(&ok).get(), 1);
+    }
+}
