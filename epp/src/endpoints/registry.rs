@@ -520,6 +520,47 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_recreated_on_the_same_address_starts_with_an_empty_kv_index() {
+        use crate::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+        let reg = EndpointRegistry::new(Duration::from_secs(1));
+        let first = Endpoint {
+            uid: Some("uid-1".into()),
+            ..ep("vllm-0", 8000)
+        };
+        reg.replace_all(vec![first.clone()]);
+        let stored = KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlock(7)],
+            parent: None,
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: None,
+            has_extra_keys: false,
+            group_idx: None,
+        });
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![stored],
+            data_parallel_rank: None,
+        };
+        reg.state_at("10.0.0.1:8000").unwrap().kv.apply(0, &batch);
+        reg.replace_all(vec![first]);
+        assert_eq!(
+            reg.state_at("10.0.0.1:8000").unwrap().kv.len(),
+            1,
+            "the same Pod keeps it"
+        );
+        let recreated = Endpoint {
+            uid: Some("uid-2".into()),
+            ..ep("vllm-0", 8000)
+        };
+        reg.replace_all(vec![recreated]);
+        let state = reg.state_at("10.0.0.1:8000").unwrap();
+        assert!(state.kv.is_empty());
+        assert_eq!(state.kv.freshness(), crate::kv_events::Freshness::Empty);
+    }
+
+    #[test]
     fn address_brackets_ipv6() {
         let mut e = ep("a", 8000);
         assert_eq!(e.address(), "10.0.0.1:8000");

@@ -15,11 +15,17 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
 use crate::predict::sync::lock;
+
+/// A Pod that has published nothing for this long since it was sent a
+/// request has most likely stopped publishing (an engine stores blocks at
+/// every prefill, and every block of generated tokens).
+pub const SILENCE: Duration = Duration::from_secs(10);
 
 /// Blocks an index remembers per engine until the Pod's metrics say how
 /// large its KV cache is.
@@ -207,6 +213,8 @@ struct Inner {
     engines: HashMap<Option<u32>, Engine>,
     next_seq: Option<u64>,
     freshness: Freshness,
+    /// The first request routed to the Pod since its last event.
+    awaiting_since: Option<Instant>,
     cap: usize,
 }
 
@@ -229,6 +237,7 @@ impl PodKvIndex {
                 engines: HashMap::new(),
                 next_seq: None,
                 freshness: Freshness::Empty,
+                awaiting_since: None,
                 cap: cap.max(1),
             }),
         }
@@ -251,6 +260,7 @@ impl PodKvIndex {
             Some(_) => {}
         }
         inner.next_seq = Some(seq.wrapping_add(1));
+        inner.awaiting_since = None;
         let cap = inner.cap;
         let engine = inner.engines.entry(batch.data_parallel_rank).or_default();
         let mut applied = Applied::default();
@@ -282,6 +292,23 @@ impl PodKvIndex {
 
     pub fn freshness(&self) -> Freshness {
         lock(&self.inner).freshness
+    }
+
+    /// A request was routed to the Pod at `now`: its engine should publish
+    /// soon.
+    pub fn note_routed(&self, now: Instant) {
+        lock(&self.inner).awaiting_since.get_or_insert(now);
+    }
+
+    /// Whether the index can be trusted at `now`: live, and not silent for
+    /// [`SILENCE`] since a request was routed to the Pod. Silence is not
+    /// sticky: an event that comes without a gap makes it usable again.
+    pub fn usable(&self, now: Instant) -> bool {
+        let inner = lock(&self.inner);
+        inner.freshness == Freshness::Live
+            && inner
+                .awaiting_since
+                .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
     }
 
     /// Marks the index stale (its events stopped, or a replay failed).
@@ -399,6 +426,21 @@ mod tests {
         let a = ix.apply(1, &batch(vec![stored(&[10, 11], Some(0), 0)]));
         assert_eq!(a.orphaned, 0);
         assert_eq!(ix.cached_blocks(&prompt(8)), 2);
+    }
+
+    #[test]
+    fn a_pod_silent_since_it_was_sent_a_request_is_not_used_until_it_publishes() {
+        let ix = PodKvIndex::default();
+        let t0 = Instant::now();
+        assert!(!ix.usable(t0), "no event yet");
+        ix.apply(0, &batch(vec![stored(&[10], None, 0)]));
+        assert!(ix.usable(t0 + SILENCE * 100), "idle, nothing awaited");
+        ix.note_routed(t0);
+        ix.note_routed(t0 + SILENCE / 2);
+        assert!(ix.usable(t0 + SILENCE / 2));
+        assert!(!ix.usable(t0 + SILENCE), "the first request counts");
+        ix.apply(1, &batch(vec![]));
+        assert!(ix.usable(t0 + SILENCE * 2), "events resumed without a gap");
     }
 
     #[test]

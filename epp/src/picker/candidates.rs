@@ -10,7 +10,6 @@ use kinference_policy::model::Price;
 use std::sync::Arc;
 
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
-use crate::kv_events::Freshness;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
 use crate::predict::{DestinationState, TtftFeatures};
@@ -52,7 +51,8 @@ impl CandidateSet {
             }
             let ep = &view.endpoint;
             let state = &view.state;
-            let cached = cached_prefix_tokens(state, hashes, tokens_per_block, tokens).min(prompt);
+            let cached =
+                cached_prefix_tokens(state, hashes, tokens_per_block, tokens, now).min(prompt);
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do
             // not show yet: without them a burst ties every endpoint at the
@@ -208,16 +208,18 @@ impl CandidateSet {
 }
 
 /// The prompt's leading tokens `state`'s Pod holds: from its engines' KV
-/// events when the prompt was tokenized and the Pod's index is live, else
-/// from what was routed there.
+/// events when the prompt was tokenized and the Pod's index is usable (live,
+/// and not silent since it was sent a request), else from what was routed
+/// there.
 fn cached_prefix_tokens(
     state: &DestinationState,
     hashes: &[u64],
     tokens_per_block: f64,
     tokens: Option<&PromptTokens>,
+    now: Instant,
 ) -> f64 {
     let precise = tokens
-        .filter(|_| state.kv.freshness() == Freshness::Live)
+        .filter(|_| state.kv.usable(now))
         .zip(state.kv.block_size());
     match precise {
         Some((t, block_size)) => {

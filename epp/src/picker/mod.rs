@@ -422,6 +422,7 @@ impl Router for Picker {
                 );
                 // Indexing a long prompt costs a few hundred microseconds:
                 // done beside the reply, not before it.
+                local.state.kv.note_routed(Instant::now());
                 let (state, hashes) = (local.state, local.prefix_hashes);
                 tokio::spawn(async move { state.prefix.record(&hashes) });
                 let route = Route::Local(LocalRoute {
