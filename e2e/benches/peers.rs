@@ -69,6 +69,7 @@ use kinference_testbed::load::{
     ratio, runtime,
 };
 use kinference_testbed::proc_status::{peak_rss_bytes, rss_bytes};
+use kinference_testbed::prom_reference::parse_line;
 use kinference_testbed::workload::{self, SharedPrefix};
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -596,6 +597,9 @@ struct EppProcess {
     child: Child,
     pid: u32,
     grpc: SocketAddr,
+    /// Its `/metrics` (ours reports its TTFT prediction errors there).
+    metrics: SocketAddr,
+    peer: Peer,
     /// Its config and log; removed when it stops.
     dir: PathBuf,
 }
@@ -673,6 +677,8 @@ impl EppProcess {
             child,
             pid,
             grpc: SocketAddr::from(([127, 0, 0, 1], ports[0])),
+            metrics: SocketAddr::from(([127, 0, 0, 1], ports[2])),
+            peer,
             dir,
         })
     }
@@ -1095,6 +1101,36 @@ struct Row {
     contender: &'static str,
     phase: String,
     m: Measured,
+    /// Our EPP in the open-loop phases: the share of its TTFT predictions
+    /// within 25% of the observed TTFT, over the phase.
+    predictions_within_25: Option<f64>,
+}
+
+/// Our EPP's TTFT predictions so far from its `/metrics`: (within 25% of
+/// the observed TTFT, all), both directions together.
+async fn prediction_errors(http: &HttpClient, epp: Option<&EppProcess>) -> Option<(f64, f64)> {
+    let epp = epp.filter(|e| e.peer == Peer::Kinference)?;
+    let text = http
+        .get_text(&format!("http://{}/metrics", epp.metrics))
+        .await
+        .ok()?;
+    let (mut within, mut all) = (0.0, 0.0);
+    let samples = text.lines().filter_map(|l| parse_line(l).ok().flatten());
+    for s in samples {
+        let le = s
+            .labels
+            .iter()
+            .find(|(k, _)| k == "le")
+            .map(|(_, v)| v.as_str());
+        match (s.name.as_str(), le) {
+            ("kinference_epp_ttft_prediction_relative_error_bucket", Some("0.25")) => {
+                within += s.value
+            }
+            ("kinference_epp_ttft_prediction_relative_error_count", None) => all += s.value,
+            _ => {}
+        }
+    }
+    Some((within, all))
 }
 
 /// Everything one contender measured.
@@ -1383,6 +1419,7 @@ impl Bench {
                     contender: contender.name,
                     phase,
                     m,
+                    predictions_within_25: None,
                 });
             }
             lane.stop().await;
@@ -1416,6 +1453,7 @@ impl Bench {
         let result = self.load_rt.block_on(async {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.open_rates[i] {
+                let before = prediction_errors(&self.http, path.epp.as_ref()).await;
                 let m = open_loop(
                     &self.http,
                     &path.target,
@@ -1425,12 +1463,18 @@ impl Bench {
                     path.pids(),
                 )
                 .await;
+                let after = prediction_errors(&self.http, path.epp.as_ref()).await;
+                let predictions_within_25 = before.zip(after).and_then(|(b, a)| {
+                    let all = a.1 - b.1;
+                    (all > 0.0).then(|| (a.0 - b.0) / all)
+                });
                 let phase = format!("{} {rate:.0}/s", workload.label);
                 eprintln!("[peers] {} {phase}: {}", contender.name, brief(&m));
                 report.rows.push(Row {
                     contender: contender.name,
                     phase,
                     m,
+                    predictions_within_25,
                 });
             }
             path.stop().await;
@@ -1588,9 +1632,9 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         shape.output_tokens
     );
     println!(
-        "| rate | contender | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs envoy-rr | latency p50 ms | EPP CPU µs/req | errors | served by sim |"
+        "| rate | contender | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs envoy-rr | latency p50 ms | EPP CPU µs/req | TTFT predictions within 25% | errors | served by sim |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for phase in &phases {
         let rows: Vec<&Row> = reports
             .iter()
@@ -1605,7 +1649,7 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
             let m = &row.m;
             let p90 = ttft(m, 0.9);
             println!(
-                "| {} | {} | {} | {:.1} | {:.0} | {p90:.0} | {:.0} | {} | {:.0} | {} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {:.0} | {p90:.0} | {:.0} | {} | {:.0} | {} | {} | {} | {} |",
                 phase.trim_start_matches(w.label).trim(),
                 row.contender,
                 m.measured(),
@@ -1618,6 +1662,8 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                     "{:.0}",
                     per_request_us(m.epp_cpu, m.measured())
                 )),
+                row.predictions_within_25
+                    .map_or("-".to_string(), |s| format!("{:.0}%", s * 100.0)),
                 m.out.tally.errors,
                 served(m),
             );

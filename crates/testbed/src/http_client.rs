@@ -34,6 +34,17 @@ impl HttpClient {
         })
     }
 
+    /// GETs `url`'s body as text (e.g. a `/metrics` page).
+    pub async fn get_text(&self, url: &str) -> anyhow::Result<String> {
+        let response = self.inner.get(url).send().await?;
+        let status = response.status();
+        let text = response.text().await?;
+        if !status.is_success() {
+            bail!("{url}: {status}");
+        }
+        Ok(text)
+    }
+
     /// POSTs `body` as JSON to `url`; an answer that is not 2xx is an error
     /// carrying the start of its body.
     pub async fn post_json(&self, url: &str, body: Vec<u8>) -> anyhow::Result<Answer> {
