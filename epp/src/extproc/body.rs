@@ -140,8 +140,10 @@ pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
             }
             None => prompt.push('\n'),
         }
-        // Without the line end each message's text is given.
-        let content_end = (prompt.len() - 1).max(content_start);
+        // Without the line end each message's text is given. A message
+        // with no text at all (no role, parts without text) added nothing:
+        // an empty range (found by fuzzing).
+        let content_end = prompt.len().saturating_sub(1).max(content_start);
         messages.push((role, content_start..content_end));
     }
     // `prompt` / `input`: a string, a list of strings, or token ids and
@@ -254,6 +256,15 @@ mod tests {
         let fine = "{\"model\":\"m\",\"prompt\":\"h\u{e9}llo\",\"x\":{\"\u{fc}\":1}}";
         assert_eq!(parse(fine.as_bytes()).unwrap().model.as_deref(), Some("m"));
         assert!(rewrite_model(fine.as_bytes(), "n").is_ok());
+    }
+
+    #[test]
+    fn a_message_without_role_or_text_is_an_empty_span() {
+        // fuzz/regressions/request_body/message-without-role-or-text
+        let body = br#"{"model":"qwen","messages":[{"le":"user","content":[{"type":"text","tuxt":"hi"}]}]}"#;
+        let parsed = parse(body).unwrap();
+        assert_eq!(parsed.prompt, "");
+        assert_eq!(parsed.messages, [(0..0, 0..0)]);
     }
 
     #[test]
