@@ -105,6 +105,11 @@ impl PromptTokens {
         self.tokens.len()
     }
 
+    /// The token ids.
+    pub fn ids(&self) -> &[u32] {
+        &self.tokens
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }

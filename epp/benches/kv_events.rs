@@ -1,0 +1,123 @@
+//! Request-path cost of precise prefix mode against the estimate it falls
+//! back to, on the same prompts: tokenizing (the `simulator-dummy`
+//! tokenizer) and chaining a 7 KB and a 220 KB chat, and matching a chain
+//! against 200 Pods' KV-event indexes.
+//! `cargo bench -p kinference-epp --bench kv_events`
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use kinference_epp::kv_events::tokenize::{PromptText, PromptTokens, Tokenizer};
+use kinference_epp::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+use kinference_epp::predict::{
+    DEFAULT_BLOCK_CHARS, DestinationConfig, DestinationState, block_hashes,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const BLOCK_SIZE: u32 = 16;
+const PODS: usize = 200;
+
+/// English-like text: words of 2 to 9 letters, some punctuation.
+fn words(rng: &mut StdRng, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    while s.len() < bytes {
+        for _ in 0..rng.random_range(2..10) {
+            s.push(rng.random_range(b'a'..=b'z') as char);
+        }
+        s.push_str(if rng.random_ratio(1, 12) { ". " } else { " " });
+    }
+    s
+}
+
+/// A chat of a system prompt of `bytes` and a short question, as the EPP
+/// parses it.
+fn chat(system: &str, question: &str) -> PromptText {
+    let mut p = PromptText::default();
+    for (role, content) in [("system", system), ("user", question)] {
+        let r = p.text.len()..p.text.len() + role.len();
+        p.text.push_str(role);
+        p.text.push_str(": ");
+        let c = p.text.len()..p.text.len() + content.len();
+        p.text.push_str(content);
+        p.text.push('\n');
+        p.messages.push((r, c));
+    }
+    p
+}
+
+/// A Pod whose engine stored `tokens`' full blocks.
+fn pod_holding(tokens: &PromptTokens, seq: u64) -> std::sync::Arc<DestinationState> {
+    let state = DestinationState::new(&DestinationConfig::default());
+    let chain = tokens.chain(BLOCK_SIZE);
+    let ids = tokens.ids();
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: (0..chain.len() as u64)
+                .map(|i| EngineBlock(seq << 32 | i))
+                .collect(),
+            parent: None,
+            token_ids: ids[..chain.len() * BLOCK_SIZE as usize].to_vec(),
+            block_size: BLOCK_SIZE,
+            lora_name: None,
+            medium: None,
+            has_extra_keys: false,
+            group_idx: None,
+        })],
+        data_parallel_rank: None,
+    };
+    state.kv.apply(0, &batch);
+    state
+}
+
+fn benches(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(7);
+    let tokenizer = Tokenizer::simulator_dummy();
+    for (name, bytes) in [("7KB", 7 * 1024), ("220KB", 220 * 1024)] {
+        let prompt = chat(&words(&mut rng, bytes), "why is that so?");
+        let mut hashes = Vec::new();
+        c.bench_function(&format!("estimate: block_hashes/{name}"), |b| {
+            b.iter(|| {
+                block_hashes(black_box(&prompt.text), DEFAULT_BLOCK_CHARS, &mut hashes);
+                black_box(hashes.len())
+            })
+        });
+        c.bench_function(&format!("precise: tokenize+chain/{name}"), |b| {
+            b.iter(|| {
+                let tokens = PromptTokens::new(tokenizer.tokens(black_box(&prompt)));
+                black_box(tokens.chain(BLOCK_SIZE).len())
+            })
+        });
+    }
+
+    // 200 Pods, each holding 0..100% of a 100 KB system prompt's blocks
+    // (the estimate's bench, `prefix.rs`, has the same shape).
+    let system = words(&mut rng, 100 * 1024);
+    let prompt = chat(&system, "and then?");
+    let tokens = PromptTokens::new(tokenizer.tokens(&prompt));
+    let pods: Vec<_> = (0..PODS)
+        .map(|i| {
+            let cut = system.len() * i / PODS;
+            let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")));
+            pod_holding(&held, i as u64)
+        })
+        .collect();
+    let chain = tokens.chain(BLOCK_SIZE);
+    c.bench_function("precise: cached_blocks/200 pods", |b| {
+        b.iter(|| {
+            let total: usize = pods
+                .iter()
+                .map(|p| p.kv.cached_blocks(black_box(&chain)))
+                .sum();
+            black_box(total)
+        })
+    });
+}
+
+criterion_group! {
+    name = kv_events;
+    config = Criterion::default().sample_size(20);
+    targets = benches
+}
+criterion_main!(kv_events);
