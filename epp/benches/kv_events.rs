@@ -7,6 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use kinference_epp::extproc::body;
 use kinference_epp::kv_events::tokenize::{PromptText, PromptTokens, Tokenizer};
 use kinference_epp::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
 use kinference_epp::predict::{
@@ -30,20 +31,16 @@ fn words(rng: &mut StdRng, bytes: usize) -> String {
     s
 }
 
-/// A chat of a system prompt of `bytes` and a short question, as the EPP
-/// parses it.
+/// A chat of a system prompt and a short question, as the EPP parses it.
 fn chat(system: &str, question: &str) -> PromptText {
-    let mut p = PromptText::default();
-    for (role, content) in [("system", system), ("user", question)] {
-        let r = p.text.len()..p.text.len() + role.len();
-        p.text.push_str(role);
-        p.text.push_str(": ");
-        let c = p.text.len()..p.text.len() + content.len();
-        p.text.push_str(content);
-        p.text.push('\n');
-        p.messages.push((r, c));
-    }
-    p
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": question }
+        ]
+    });
+    PromptText::of(&body::parse(body.to_string().as_bytes()).unwrap())
 }
 
 /// A Pod whose engine stored `tokens`' full blocks.

@@ -92,6 +92,8 @@ pub struct Applied {
     /// `BlockStored` whose token count is not a whole number of blocks.
     pub malformed: u64,
     pub cleared: bool,
+    /// This batch followed a sequence gap and left a live index stale.
+    pub became_stale: bool,
 }
 
 /// One engine (one data-parallel rank of a Pod).
@@ -250,8 +252,12 @@ impl PodKvIndex {
     /// restarted: the index starts over.
     pub fn apply(&self, seq: u64, batch: &EventBatch) -> Applied {
         let mut inner = lock(&self.inner);
+        let mut applied = Applied::default();
         match inner.next_seq {
-            Some(next) if seq > next => inner.freshness = Freshness::Stale,
+            Some(next) if seq > next => {
+                applied.became_stale = inner.freshness != Freshness::Stale;
+                inner.freshness = Freshness::Stale;
+            }
             Some(next) if seq < next => {
                 inner.engines.clear();
                 inner.freshness = Freshness::Live;
@@ -263,7 +269,6 @@ impl PodKvIndex {
         inner.awaiting_since = None;
         let cap = inner.cap;
         let engine = inner.engines.entry(batch.data_parallel_rank).or_default();
-        let mut applied = Applied::default();
         for event in &batch.events {
             match event {
                 KvEvent::Stored(s) => engine.store(s, cap, &mut applied),
@@ -282,12 +287,8 @@ impl PodKvIndex {
         if applied.cleared && inner.engines.values().all(|e| e.by_engine.is_empty()) {
             inner.freshness = Freshness::Live;
         }
+        applied.became_stale &= inner.freshness == Freshness::Stale;
         applied
-    }
-
-    /// The sequence number the index expects next (`None` before the first).
-    pub fn next_seq(&self) -> Option<u64> {
-        lock(&self.inner).next_seq
     }
 
     pub fn freshness(&self) -> Freshness {
@@ -309,11 +310,6 @@ impl PodKvIndex {
             && inner
                 .awaiting_since
                 .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
-    }
-
-    /// Marks the index stale (its events stopped, or a replay failed).
-    pub fn mark_stale(&self) {
-        lock(&self.inner).freshness = Freshness::Stale;
     }
 
     /// Resizes to the engine's real cache (blocks per engine).
@@ -484,13 +480,16 @@ mod tests {
         ix.apply(7, &batch(vec![stored(&[10], None, 0)]));
         ix.apply(8, &batch(vec![]));
         assert_eq!(ix.freshness(), Freshness::Live);
-        ix.apply(10, &batch(vec![]));
+        assert!(ix.apply(10, &batch(vec![])).became_stale);
         assert_eq!(ix.freshness(), Freshness::Stale);
+        assert!(!ix.apply(12, &batch(vec![])).became_stale, "already stale");
         // The publisher restarted (sequence back to 0): its cache is new.
         ix.apply(0, &batch(vec![stored(&[30], None, 100)]));
         assert_eq!(ix.freshness(), Freshness::Live);
         assert_eq!(ix.cached_blocks(&prompt(4)), 0);
-        assert_eq!(ix.next_seq(), Some(1));
+        // And its sequence goes on from there without a gap.
+        assert!(!ix.apply(1, &batch(vec![])).became_stale);
+        assert_eq!(ix.freshness(), Freshness::Live);
     }
 
     #[test]

@@ -161,9 +161,8 @@ pub fn apply(message: &Message, registry: &EndpointRegistry, stats: &EventStats)
         return;
     }
     for state in states {
-        let before = state.kv.freshness();
         let applied = state.kv.apply(message.seq, &message.batch);
-        if state.kv.freshness() == super::Freshness::Stale && before != super::Freshness::Stale {
+        if applied.became_stale {
             stats.gaps.inc_by(1);
             tracing::warn!(topic = %message.topic, seq = message.seq, "KV events lost (sequence gap): the Pod's cached prefixes are estimated until its cache is cleared");
         }

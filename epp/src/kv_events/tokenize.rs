@@ -17,6 +17,7 @@ use regex::Regex;
 use tokio::sync::Semaphore;
 
 use super::index::{chain_root, token_chain};
+use crate::extproc::body::ParsedBody;
 use crate::predict::MAX_BLOCKS;
 
 /// Tokenizations running at once, at most.
@@ -28,6 +29,17 @@ pub const MAX_IN_FLIGHT: usize = 4;
 pub struct PromptText {
     pub text: String,
     pub messages: Vec<(Range<usize>, Range<usize>)>,
+}
+
+impl PromptText {
+    /// The prompt of a parsed request body (a copy: tokenizing runs on
+    /// another thread).
+    pub fn of(body: &ParsedBody) -> PromptText {
+        PromptText {
+            text: body.prompt.clone(),
+            messages: body.messages.clone(),
+        }
+    }
 }
 
 /// How prompts are turned into token ids.
@@ -101,17 +113,9 @@ impl PromptTokens {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
     /// The token ids.
     pub fn ids(&self) -> &[u32] {
         &self.tokens
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
     }
 
     /// The chain of full blocks of `block_size` tokens.
@@ -204,18 +208,14 @@ impl PromptTokenizer {
 mod tests {
     use super::*;
 
+    /// A chat request's prompt, as the EPP parses it.
     fn chat(messages: &[(&str, &str)]) -> PromptText {
-        let mut p = PromptText::default();
-        for (role, content) in messages {
-            let r = p.text.len()..p.text.len() + role.len();
-            p.text.push_str(role);
-            p.text.push_str(": ");
-            let c = p.text.len()..p.text.len() + content.len();
-            p.text.push_str(content);
-            p.text.push('\n');
-            p.messages.push((r, c));
-        }
-        p
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| serde_json::json!({ "role": role, "content": content }))
+            .collect();
+        let body = serde_json::json!({ "model": "m", "messages": messages });
+        PromptText::of(&crate::extproc::body::parse(body.to_string().as_bytes()).unwrap())
     }
 
     #[test]

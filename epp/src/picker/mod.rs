@@ -181,11 +181,7 @@ impl Picker {
     /// The prompt's tokens in precise mode, if tokenized in time.
     async fn prompt_tokens(&self, incoming: &Incoming<'_>) -> Option<PromptTokens> {
         let tokenizer = self.precise.get()?;
-        let prompt = PromptText {
-            text: incoming.body.prompt.clone(),
-            messages: incoming.body.messages.clone(),
-        };
-        tokenizer.tokenize(prompt).await
+        tokenizer.tokenize(PromptText::of(incoming.body)).await
     }
 
     /// Decides one request. Never panics on odd input; an unusable request is
