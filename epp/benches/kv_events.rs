@@ -1,7 +1,10 @@
 //! Request-path cost of precise prefix mode against the estimate it falls
-//! back to, on the same prompts: tokenizing (the `simulator-dummy`
-//! tokenizer) and chaining a 7 KB and a 220 KB chat, and matching a chain
-//! against 200 Pods' KV-event indexes.
+//! back to, on the same prompts: tokenizing and chaining a 7 KB and a
+//! 220 KB chat (with the `simulator-dummy` tokenizer, and with Qwen3's own
+//! tokenizer and chat template: `bench/peers/install.sh qwen3-tokenizer`),
+//! and matching a chain against 200 Pods' KV-event indexes. The text is
+//! random letters, so a real tokenizer's word cache rarely hits: an upper
+//! bound for prose.
 //! `cargo bench -p kinference-epp --bench kv_events`
 
 use std::hint::black_box;
@@ -71,6 +74,8 @@ fn pod_holding(tokens: &PromptTokens, seq: u64) -> std::sync::Arc<DestinationSta
 fn benches(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(7);
     let tokenizer = Tokenizer::simulator_dummy();
+    let qwen3 = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let qwen3 = Tokenizer::hugging_face(&qwen3).expect("Qwen3's tokenizer loads");
     for (name, bytes) in [("7KB", 7 * 1024), ("220KB", 220 * 1024)] {
         let prompt = chat(&words(&mut rng, bytes), "why is that so?");
         let mut hashes = Vec::new();
@@ -82,7 +87,13 @@ fn benches(c: &mut Criterion) {
         });
         c.bench_function(&format!("precise: tokenize+chain/{name}"), |b| {
             b.iter(|| {
-                let tokens = PromptTokens::new(tokenizer.tokens(black_box(&prompt)));
+                let tokens = PromptTokens::new(tokenizer.tokens(black_box(&prompt)).unwrap());
+                black_box(tokens.chain(BLOCK_SIZE).len())
+            })
+        });
+        c.bench_function(&format!("precise: qwen3 tokenize+chain/{name}"), |b| {
+            b.iter(|| {
+                let tokens = PromptTokens::new(qwen3.tokens(black_box(&prompt)).unwrap());
                 black_box(tokens.chain(BLOCK_SIZE).len())
             })
         });
@@ -92,11 +103,11 @@ fn benches(c: &mut Criterion) {
     // (the estimate's bench, `prefix.rs`, has the same shape).
     let system = words(&mut rng, 100 * 1024);
     let prompt = chat(&system, "and then?");
-    let tokens = PromptTokens::new(tokenizer.tokens(&prompt));
+    let tokens = PromptTokens::new(tokenizer.tokens(&prompt).unwrap());
     let pods: Vec<_> = (0..PODS)
         .map(|i| {
             let cut = system.len() * i / PODS;
-            let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")));
+            let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")).unwrap());
             pod_holding(&held, i as u64)
         })
         .collect();

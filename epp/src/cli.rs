@@ -10,10 +10,24 @@ use kinference_policy::duration::parse_duration;
 use kinference_runtime::{LogArgs, LogFormat};
 
 /// Tokenizers of precise prefix mode.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEventsTokenizer {
+    /// The model's: a directory holding `tokenizer.json` and the chat
+    /// template (`chat_template.jinja` or `tokenizer_config.json`).
+    Directory(PathBuf),
     /// llm-d-inference-sim's `--force-dummy-tokenizer` (tests only).
     SimulatorDummy,
+}
+
+impl std::str::FromStr for KvEventsTokenizer {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "simulator-dummy" => KvEventsTokenizer::SimulatorDummy,
+            dir => KvEventsTokenizer::Directory(dir.into()),
+        })
+    }
 }
 
 #[derive(Parser, Debug)]
@@ -45,9 +59,12 @@ pub struct Args {
     /// topic `kv@$(POD_IP)@<model>`). Off unless set.
     #[arg(long, value_name = "PORT", requires = "kv_events_tokenizer")]
     pub kv_events_port: Option<u16>,
-    /// How precise mode tokenizes prompts. `simulator-dummy`: the dummy
-    /// tokenizer of llm-d-inference-sim, for tests against it only.
-    #[arg(long, value_enum, requires = "kv_events_port")]
+    /// How precise mode tokenizes prompts: the directory of the model's
+    /// `tokenizer.json` and chat template (`chat_template.jinja` or
+    /// `tokenizer_config.json`), as in its Hugging Face repository; or
+    /// `simulator-dummy`, llm-d-inference-sim's dummy tokenizer, for tests
+    /// against it only.
+    #[arg(long, value_name = "DIR", requires = "kv_events_port")]
     pub kv_events_tokenizer: Option<KvEventsTokenizer>,
     /// A prompt not tokenized within this time is matched by the
     /// approximate prefix index instead.

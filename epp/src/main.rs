@@ -140,8 +140,12 @@ async fn main() -> anyhow::Result<()> {
         Some(port) => Some(bind(at(port)).await?),
         None => None,
     };
-    if let Some(KvEventsTokenizer::SimulatorDummy) = args.kv_events_tokenizer {
-        let tokenizer = Tokenizer::simulator_dummy();
+    if let Some(choice) = &args.kv_events_tokenizer {
+        let tokenizer = match choice {
+            KvEventsTokenizer::SimulatorDummy => Tokenizer::simulator_dummy(),
+            KvEventsTokenizer::Directory(dir) => Tokenizer::hugging_face(dir)
+                .map_err(|e| anyhow::anyhow!("--kv-events-tokenizer: {e}"))?,
+        };
         let budget = args.kv_events_tokenize_budget;
         epp.picker
             .enable_precise_prefix(PromptTokenizer::new(tokenizer, budget));

@@ -42,6 +42,7 @@ pub struct Metrics {
     buffered_body_bytes: Gauge,
     stream_refusals: Family<Labels, Counter>,
     ttft_prediction_error: Family<Labels, Histogram>,
+    cached_prefix_error: Family<Labels, Histogram>,
     scrape: Arc<ScrapeStats>,
 }
 
@@ -73,6 +74,9 @@ impl Default for Metrics {
         let stream_refusals = Family::<Labels, Counter>::default();
         let ttft_prediction_error = Family::<Labels, Histogram>::new_with_constructor(|| {
             Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0])
+        });
+        let cached_prefix_error = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.01, 0.05, 0.1, 0.25, 0.5, 1.0])
         });
         let scrape = Arc::new(ScrapeStats::default());
         let mut r = Registry::with_prefix("kinference_epp");
@@ -156,6 +160,11 @@ impl Default for Metrics {
             "|predicted - observed| / observed TTFT of each routed request the model predicted, by direction (over: predicted too slow, under: too fast)",
             ttft_prediction_error.clone(),
         );
+        r.register(
+            "cached_prefix_prediction_error",
+            "|predicted - reported| cached prompt tokens as a share of the prompt, for each answer from a Pod that reported both (vLLM: --enable-prompt-tokens-details), by the prediction's source (events: the Pod's KV events; estimate: what was routed there)",
+            cached_prefix_error.clone(),
+        );
         // kinference_epp_scrape_attempts_total, _scrape_failures_total{reason}
         scrape.register(&mut r);
         Metrics {
@@ -176,6 +185,7 @@ impl Default for Metrics {
             buffered_body_bytes,
             stream_refusals,
             ttft_prediction_error,
+            cached_prefix_error,
             scrape,
         }
     }
@@ -224,6 +234,23 @@ impl Metrics {
         self.ttft_prediction_error
             .get_or_create(&labels(&[("direction", direction)]))
             .observe((predicted - observed).abs() / observed);
+    }
+
+    /// How far the cached prefix the decision counted on was from the one
+    /// the engine reported, as a share of the prompt.
+    pub fn observe_cached_prefix_prediction(
+        &self,
+        source: &str,
+        predicted: f64,
+        reported: u64,
+        prompt: u64,
+    ) {
+        if prompt == 0 || !predicted.is_finite() {
+            return;
+        }
+        self.cached_prefix_error
+            .get_or_create(&labels(&[("source", source)]))
+            .observe((predicted - reported as f64).abs() / prompt as f64);
     }
 
     pub fn observe_classifier(&self, name: &str, took: Duration, error: Option<ClassifierError>) {

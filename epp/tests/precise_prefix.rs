@@ -1,7 +1,8 @@
 //! Precise prefix mode against real publishers: llm-d-inference-sim Pods
 //! (built from the Go module proxy) send their KV-cache events to the EPP,
 //! which routes through a real Envoy. The simulators' dummy tokenizer is
-//! matched by the EPP's `simulator-dummy` tokenizer (for tests only).
+//! matched by the EPP's `simulator-dummy` tokenizer (for tests only); given
+//! another tokenizer (Qwen3's), the EPP must notice from the answers.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
@@ -9,7 +10,8 @@ use std::time::{Duration, Instant};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::kv_events::Freshness;
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
-use kinference_epp::server::{Epp, Settings};
+use kinference_epp::server::Epp;
+use kinference_epp::server::Settings;
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use kinference_testbed::llmd_sim::{LlmdSim, ensure_llmd_sim};
 use serde_json::{Value, json};
@@ -81,92 +83,139 @@ async fn access(envoy: &Envoy, id: &str) -> kinference_testbed::envoy::AccessRec
     }
 }
 
-#[tokio::test]
-async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
-    let sim_bin = ensure_llmd_sim().await.expect("llm-d-inference-sim");
-    let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let events_addr = events.local_addr().unwrap();
-    let epp = Epp::new(Settings {
-        scrape_interval: Duration::from_millis(20),
-        secure_serving: true,
-        ..Settings::default()
-    });
-    let tokenizer = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::from_secs(1));
-    epp.picker.enable_precise_prefix(tokenizer);
-    tokio::spawn({
-        let epp = epp.clone();
-        async move {
-            epp.serve_kv_events(Some(events), std::future::pending())
-                .await
+/// `name{label="value"}`'s value in the EPP's exposition, 0 if absent.
+fn sample(epp: &Epp, name: &str, label: &str, value: &str) -> f64 {
+    let metrics = epp.picker.metrics.render(epp.registry(), None);
+    let prefix = format!("{name}{{{label}=\"{value}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// The EPP in precise mode with `tokenizer`, [`PODS`] simulators sending
+/// it their events, and Envoy in front.
+struct Pool {
+    epp: Epp,
+    sims: Vec<LlmdSim>,
+    envoy: Envoy,
+    http: reqwest::Client,
+}
+
+impl Pool {
+    async fn start(tokenizer: Tokenizer) -> Pool {
+        let sim_bin = ensure_llmd_sim().await.expect("llm-d-inference-sim");
+        let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events_addr = events.local_addr().unwrap();
+        let epp = Epp::new(Settings {
+            scrape_interval: Duration::from_millis(20),
+            secure_serving: true,
+            ..Settings::default()
+        });
+        let tokenizer = PromptTokenizer::new(tokenizer, Duration::from_secs(1));
+        epp.picker.enable_precise_prefix(tokenizer);
+        tokio::spawn({
+            let epp = epp.clone();
+            async move {
+                epp.serve_kv_events(Some(events), std::future::pending())
+                    .await
+            }
+        });
+
+        // Each Pod on its own loopback IP (the topic names it) and port.
+        let ports: Vec<u16> = (0..PODS).map(|_| free_port()).collect();
+        let mut sims = Vec::new();
+        for (i, port) in ports.iter().enumerate() {
+            let sim = LlmdSim::start(&sim_bin, pod_ip(i), *port, MODEL, BLOCK_SIZE, events_addr);
+            sims.push(sim.await.expect("the simulator starts"));
         }
-    });
-
-    // Each Pod on its own loopback IP (the topic names it) and port.
-    let ports: Vec<u16> = (0..PODS).map(|_| free_port()).collect();
-    let mut sims = Vec::new();
-    for (i, port) in ports.iter().enumerate() {
-        let sim = LlmdSim::start(&sim_bin, pod_ip(i), *port, MODEL, BLOCK_SIZE, events_addr);
-        sims.push(sim.await.expect("the simulator starts"));
-    }
-    epp.policy().load_text(&policy(ports[0])).unwrap();
-    let specs = sims.iter().enumerate().map(|(i, s)| {
-        let mut spec = EndpointSpec::new(s.addr.to_string(), &[MODEL]);
-        spec.name = Some(format!("sim-{i}"));
-        spec
-    });
-    epp.registry()
-        .replace_all(endpoints_from_specs(specs).unwrap());
-    epp.registry().mark_synced();
-    epp.spawn_scraper();
-    let ext_proc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let ext_proc_addr = ext_proc.local_addr().unwrap();
-    tokio::spawn({
-        let epp = epp.clone();
-        async move { epp.serve_ext_proc(ext_proc, std::future::pending()).await }
-    });
-    let bootstrap = Bootstrap {
-        pool: sims.iter().map(|s| s.addr).collect(),
-        ..Bootstrap::new(Template::Streamed, ext_proc_addr)
-    };
-    let envoy = Envoy::start(&bootstrap).await.expect("Envoy starts");
-    assert!(
+        epp.policy().load_text(&policy(ports[0])).unwrap();
+        let specs = sims.iter().enumerate().map(|(i, s)| {
+            let mut spec = EndpointSpec::new(s.addr.to_string(), &[MODEL]);
+            spec.name = Some(format!("sim-{i}"));
+            spec
+        });
         epp.registry()
-            .wait_until_scraped(Duration::from_secs(10))
-            .await
-    );
-    let http = reqwest::Client::new();
+            .replace_all(endpoints_from_specs(specs).unwrap());
+        epp.registry().mark_synced();
+        epp.spawn_scraper();
+        let ext_proc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ext_proc_addr = ext_proc.local_addr().unwrap();
+        tokio::spawn({
+            let epp = epp.clone();
+            async move { epp.serve_ext_proc(ext_proc, std::future::pending()).await }
+        });
+        let bootstrap = Bootstrap {
+            pool: sims.iter().map(|s| s.addr).collect(),
+            ..Bootstrap::new(Template::Streamed, ext_proc_addr)
+        };
+        let envoy = Envoy::start(&bootstrap).await.expect("Envoy starts");
+        assert!(
+            epp.registry()
+                .wait_until_scraped(Duration::from_secs(10))
+                .await
+        );
+        Pool {
+            epp,
+            sims,
+            envoy,
+            http: reqwest::Client::new(),
+        }
+    }
 
-    // Each round warms one Pod directly, behind the EPP's back: only its
-    // events can tell the EPP where the prefix is. Six rounds over three
-    // Pods: a picker blind to the events would pass by chance once in 729.
-    for round in 0..6 {
-        let warm = round % PODS;
-        let state = epp
+    /// Sends `body` to sim `i` directly, behind the EPP's back, and waits
+    /// until its events reached the EPP.
+    async fn warm(&self, i: usize, body: &Value) {
+        let state = self
+            .epp
             .registry()
-            .state_at(&sims[warm].addr.to_string())
+            .state_at(&self.sims[i].addr.to_string())
             .unwrap();
         let before = state.kv.len();
-        let url = format!("http://{}/v1/chat/completions", sims[warm].addr);
-        post(&http, &url, &chat(round, "warm up"), "warm").await;
+        let url = format!("http://{}/v1/chat/completions", self.sims[i].addr);
+        post(&self.http, &url, body, "warm").await;
         let deadline = Instant::now() + Duration::from_secs(10);
         while state.kv.len() <= before {
-            assert!(Instant::now() < deadline, "no KV events from sim-{warm}");
+            assert!(Instant::now() < deadline, "no KV events from sim-{i}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(state.kv.freshness(), Freshness::Live);
+    }
 
+    /// Sends `body` through Envoy; the answer, and the sim it went to.
+    async fn ask(&self, body: &Value, id: &str) -> (Value, usize) {
+        let url = self.envoy.url("/v1/chat/completions");
+        let answer = post(&self.http, &url, body, id).await;
+        let record = access(&self.envoy, id).await;
+        let upstream = record.upstream.expect("an upstream");
+        let sim = self
+            .sims
+            .iter()
+            .position(|s| s.addr.to_string() == upstream)
+            .expect("one of the sims");
+        (answer, sim)
+    }
+
+    async fn stop(self) {
+        for sim in self.sims {
+            sim.stop().await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
+    let pool = Pool::start(Tokenizer::simulator_dummy()).await;
+    // Each round warms one Pod directly: only its events can tell the EPP
+    // where the prefix is. Six rounds over three Pods: a picker blind to
+    // the events would pass by chance once in 729.
+    for round in 0..6 {
+        let warm = round % PODS;
+        pool.warm(warm, &chat(round, "warm up")).await;
         let id = format!("round-{round}");
-        let answer = post(
-            &http,
-            &envoy.url("/v1/chat/completions"),
-            &chat(round, "why?"),
-            &id,
-        )
-        .await;
-        let record = access(&envoy, &id).await;
+        let (answer, sim) = pool.ask(&chat(round, "why?"), &id).await;
         assert_eq!(
-            record.upstream.as_deref(),
-            Some(sims[warm].addr.to_string().as_str()),
+            sim, warm,
             "round {round}: the prefix is cached on sim-{warm}"
         );
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -174,7 +223,62 @@ async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
             .unwrap_or(0);
         assert!(cached >= u64::from(BLOCK_SIZE), "round {round}: {answer}");
     }
-    for sim in sims {
-        sim.stop().await;
+    // Each answer's reported counts agreed with the EPP's own, and the
+    // prediction error is exported per source.
+    let epp = &pool.epp;
+    let checks = "kinference_epp_kv_events_checks_total";
+    assert_eq!(sample(epp, checks, "result", "agree"), 6.0);
+    assert_eq!(sample(epp, checks, "result", "token_count"), 0.0);
+    let errors = "kinference_epp_cached_prefix_prediction_error_count";
+    assert_eq!(sample(epp, errors, "source", "events"), 6.0);
+    let error_sum = "kinference_epp_cached_prefix_prediction_error_sum";
+    assert!(sample(epp, error_sum, "source", "events") < 6.0 * 0.25);
+    pool.stop().await;
+}
+
+/// The log lines written while a test runs (this binary's only subscriber).
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
     }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_tokenizer_that_is_not_the_engines_is_reported() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .init();
+    let qwen3 = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let pool = Pool::start(Tokenizer::hugging_face(&qwen3).unwrap()).await;
+    // Qwen3 counts these prompts in fewer tokens than the simulator's
+    // dummy tokenizer: every answer disagrees, and after half a window of
+    // answers the warning names the cause.
+    for i in 0..32 {
+        pool.ask(&chat(i, "why?"), &format!("q-{i}")).await;
+    }
+    let epp = &pool.epp;
+    let checks = "kinference_epp_kv_events_checks_total";
+    assert_eq!(sample(epp, checks, "result", "token_count"), 32.0);
+    assert_eq!(sample(epp, checks, "result", "agree"), 0.0);
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let warnings: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("precise prefix mode disagrees with the engine"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{logs}");
+    assert!(warnings[0].contains("finding=\"token_count\""), "{logs}");
+    assert!(warnings[0].contains("chat template"), "{logs}");
+    pool.stop().await;
 }

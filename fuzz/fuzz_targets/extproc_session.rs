@@ -32,7 +32,7 @@ use futures::StreamExt;
 use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics, endpoints_from_specs};
 use kinference_epp::extproc::{
     DESTINATION_ENDPOINT, DESTINATION_SUBSET, ExtProcConfig, ExtProcService, LB_NAMESPACE,
-    OBSERVED_TTFT_HEADER, SERVED_ENDPOINT, SUBSET_NAMESPACE,
+    SERVED_ENDPOINT, SUBSET_NAMESPACE,
 };
 use kinference_epp::server::{Epp, Settings};
 use libfuzzer_sys::fuzz_target;

@@ -9,6 +9,8 @@
 //!   run as a process, and its per-stage reports read back.
 //! - [`llmd_sim`]: llm-d-inference-sim processes, the real KV-event
 //!   publishers of the precise-prefix tests.
+//! - [`peers`]: what `bench/peers/install.sh` caches (peer binaries, Qwen3's
+//!   tokenizer files), found or installed.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
@@ -23,6 +25,7 @@ pub mod http_client;
 pub mod inference_perf;
 pub mod llmd_sim;
 pub mod load;
+pub mod peers;
 pub mod proc_status;
 pub mod prom_reference;
 pub mod workload;

@@ -12,26 +12,7 @@ use tokio::process::{Child, Command};
 /// `$KINFERENCE_LLMD_SIM`, else the cached build, building it when missing
 /// (minutes, cold; needs Go and the module proxy).
 pub async fn ensure_llmd_sim() -> anyhow::Result<PathBuf> {
-    if let Some(path) = std::env::var_os("KINFERENCE_LLMD_SIM").filter(|p| !p.is_empty()) {
-        return Ok(PathBuf::from(path));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/peers/install.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg("llmd-sim")
-        .stderr(Stdio::inherit())
-        .output()
-        .await
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!("{} llmd-sim failed", script.display());
-    }
-    let dir = String::from_utf8_lossy(&out.stdout);
-    let dir = dir
-        .lines()
-        .last()
-        .context("install.sh printed no directory")?;
-    Ok(Path::new(dir.trim()).join("llmd-sim"))
+    tokio::task::spawn_blocking(|| crate::peers::peer("llmd-sim", "KINFERENCE_LLMD_SIM")).await?
 }
 
 /// One simulator process: a Pod at `ip` serving `model` on `port` (it

@@ -7,6 +7,7 @@ pub mod limits;
 pub mod reply;
 pub mod router;
 mod session;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;

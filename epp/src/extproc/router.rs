@@ -1,7 +1,8 @@
 //! What the ext_proc session needs from the decision side, declared here by
-//! its consumer: two calls per request. `route` decides where the request
-//! goes and hands back a ticket; `complete` reports what the response path
-//! showed. The session keeps the ticket until the stream ends (dropping it
+//! its consumer: two calls per request, and one optional. `route` decides
+//! where the request goes and hands back a ticket; `complete` reports what
+//! the response path showed; `usage`, the token counts the answer reported,
+//! when the router wants them. The session keeps the ticket until the stream ends (dropping it
 //! ends the request's time in flight), so it never sees how decisions are
 //! made or what is learnt from them.
 
@@ -10,6 +11,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use super::body::{Api, ParsedBody};
+pub use super::usage::Usage;
 
 /// What the HTTP request carries, as the ext_proc stream saw it.
 pub struct Incoming<'a> {
@@ -90,4 +92,13 @@ pub trait Router: Send + Sync + 'static {
     /// The response path of a routed request: called once, when response
     /// headers arrive or, without them, when the stream ends.
     fn complete(&self, ticket: &mut Self::Ticket, facts: ResponseFacts);
+
+    /// Whether [`Router::usage`] wants this request's answer read.
+    fn wants_usage(&self, _ticket: &Self::Ticket) -> bool {
+        false
+    }
+
+    /// The token counts a successful answer reported, once its body ended
+    /// (not called when the body did not end, or reported none).
+    fn usage(&self, _ticket: &mut Self::Ticket, _usage: Usage) {}
 }

@@ -23,6 +23,7 @@ use super::body::{self, Api, path_only};
 use super::limits::{BodyHold, StreamGuard};
 use super::reply;
 use super::router::{Incoming, ResponseFacts, Route, Router};
+use super::usage::{Usage, UsageScanner};
 use super::*;
 use crate::lists::comma_separated;
 use crate::metrics::Metrics;
@@ -36,6 +37,8 @@ struct Routed<T> {
     completed: bool,
     /// `--decision-detail`, returned as a response header.
     detail: Option<String>,
+    /// Reads the answer's usage counts, when the router wants them.
+    usage: Option<UsageScanner>,
 }
 
 pub struct Session<R: Router> {
@@ -297,6 +300,7 @@ impl<R: Router> Session<R> {
             Route::Reject { .. } => None,
         };
         self.routed = ticket.map(|ticket| Routed {
+            usage: self.router.wants_usage(&ticket).then(UsageScanner::default),
             ticket,
             completed: false,
             detail,
@@ -341,6 +345,9 @@ impl<R: Router> Session<R> {
             && !routed.completed
         {
             routed.completed = true;
+            if status != 200 {
+                routed.usage = None;
+            }
             Span::current().record("outcome", status);
             let facts = ResponseFacts {
                 status: Some(status),
@@ -375,6 +382,7 @@ impl<R: Router> Session<R> {
     }
 
     async fn on_response_body(&mut self, b: HttpBody) -> bool {
+        self.read_usage(&b);
         if !self.response_streamed {
             return self.send(reply::continue_response_body()).await;
         }
@@ -397,6 +405,24 @@ impl<R: Router> Session<R> {
             ..ProcessingResponse::default()
         })
         .await
+    }
+
+    /// Feeds the answer to the usage scanner; at its end, reports.
+    fn read_usage(&mut self, b: &HttpBody) {
+        let Some(routed) = &mut self.routed else {
+            return;
+        };
+        let Some(scanner) = &mut routed.usage else {
+            return;
+        };
+        scanner.feed(&b.body, b.end_of_stream);
+        if b.end_of_stream {
+            let usage = scanner.usage();
+            routed.usage = None;
+            if usage != Usage::default() {
+                self.router.usage(&mut routed.ticket, usage);
+            }
+        }
     }
 
     async fn too_large(&mut self) -> bool {
@@ -548,6 +574,7 @@ mod tests {
         route: Route,
         routed: Mutex<Vec<String>>,
         completed: Mutex<Vec<ResponseFacts>>,
+        usage: Mutex<Vec<Usage>>,
         tickets_alive: Arc<()>,
     }
 
@@ -557,6 +584,7 @@ mod tests {
                 route,
                 routed: Mutex::default(),
                 completed: Mutex::default(),
+                usage: Mutex::default(),
                 tickets_alive: Arc::new(()),
             })
         }
@@ -579,6 +607,14 @@ mod tests {
 
         fn complete(&self, _ticket: &mut Arc<()>, facts: ResponseFacts) {
             self.completed.lock().unwrap().push(facts);
+        }
+
+        fn wants_usage(&self, _ticket: &Arc<()>) -> bool {
+            true
+        }
+
+        fn usage(&self, _ticket: &mut Arc<()>, usage: Usage) {
+            self.usage.lock().unwrap().push(usage);
         }
     }
 
@@ -889,6 +925,41 @@ mod tests {
         assert_eq!(completed[0].status, Some(200));
         assert!(completed[0].at.is_some());
         assert_eq!(router.live_tickets(), 0, "the ticket ends with the stream");
+    }
+
+    fn response_body(bytes: &[u8], end_of_stream: bool) -> Msg {
+        match body(bytes, end_of_stream) {
+            Msg::RequestBody(b) => Msg::ResponseBody(b),
+            _ => unreachable!(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_answers_usage_is_reported_once_its_body_ends() {
+        let router = FakeRouter::new(local());
+        let answer = |status: &str, end: bool| {
+            vec![
+                headers(&[PATH], false),
+                body(CHAT, true),
+                response_headers(status),
+                response_body(b"data: {\"usage\":{\"prompt_tokens\":4", false),
+                response_body(
+                    b"2,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n",
+                    end,
+                ),
+            ]
+        };
+        let replies = exchange(&router, true, answer("200", true)).await;
+        assert_eq!(replies.len(), 5, "every chunk is handed back: {replies:?}");
+        let expected = Usage {
+            prompt_tokens: Some(42),
+            cached_tokens: Some(32),
+        };
+        assert_eq!(*router.usage.lock().unwrap(), [expected]);
+        // An error answer's counts, or a body that never ends, say nothing.
+        exchange(&router, true, answer("500", true)).await;
+        exchange(&router, true, answer("200", false)).await;
+        assert_eq!(router.usage.lock().unwrap().len(), 1);
     }
 
     #[tokio::test]

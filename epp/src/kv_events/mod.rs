@@ -7,11 +7,16 @@
 //! - [`subscriber`]: the events port: connections, decoding, the Pod a
 //!   topic names, counters.
 //! - [`tokenize`]: prompts as the engine tokenizes them, off the runtime
-//!   and within a budget.
+//!   and within a budget; [`hf`]: the model's own tokenizer and template.
+//! - [`mismatch`]: each answer's reported token counts against ours;
+//!   [`precise`]: the tokenizer and that check, as the picker holds them.
 //! - [`index`]: [`PodKvIndex`], one Pod's engines' blocks re-hashed into our
 //!   own token chain, with sequence tracking and bounded memory.
 
+pub mod hf;
 pub mod index;
+pub mod mismatch;
+pub mod precise;
 pub mod subscriber;
 pub mod tokenize;
 pub mod wire;

@@ -16,6 +16,7 @@ use prometheus_client::metrics::family::Family;
 use regex::Regex;
 use tokio::sync::Semaphore;
 
+use super::hf::{HfTokenizer, LoadError, TokenizeError};
 use super::index::{chain_root, token_chain};
 use crate::extproc::body::ParsedBody;
 use crate::predict::MAX_BLOCKS;
@@ -45,6 +46,8 @@ impl PromptText {
 /// How prompts are turned into token ids.
 #[derive(Debug, Clone)]
 pub enum Tokenizer {
+    /// The model's own: `tokenizer.json` and its chat template.
+    HuggingFace(Arc<HfTokenizer>),
     /// llm-d-inference-sim's `--force-dummy-tokenizer`: FOR TESTS AGAINST
     /// THAT SIMULATOR ONLY. A chat is rendered `"### <role>: <content>\n"`
     /// per message, tokens are the matches of a fixed pattern (a word or one
@@ -60,9 +63,15 @@ impl Tokenizer {
         Tokenizer::SimulatorDummy(Regex::new(pattern).expect("a valid pattern"))
     }
 
+    /// Loads the Hugging Face tokenizer in `dir`.
+    pub fn hugging_face(dir: &std::path::Path) -> Result<Tokenizer, LoadError> {
+        Ok(Tokenizer::HuggingFace(Arc::new(HfTokenizer::load(dir)?)))
+    }
+
     /// The token ids of `prompt`.
-    pub fn tokens(&self, prompt: &PromptText) -> Vec<u32> {
+    pub fn tokens(&self, prompt: &PromptText) -> Result<Vec<u32>, TokenizeError> {
         match self {
+            Tokenizer::HuggingFace(hf) => hf.tokens(prompt),
             Tokenizer::SimulatorDummy(re) => {
                 let rendered;
                 let text = if prompt.messages.is_empty() {
@@ -71,7 +80,7 @@ impl Tokenizer {
                     rendered = render_simulator_chat(prompt);
                     &rendered
                 };
-                re.find_iter(text).map(|m| fnv1a_32(m.as_str())).collect()
+                Ok(re.find_iter(text).map(|m| fnv1a_32(m.as_str())).collect())
             }
         }
     }
@@ -162,12 +171,12 @@ impl PromptTokenizer {
     }
 
     /// Serves `kinference_epp_prompt_tokenizations_total{outcome}`: `ok`,
-    /// `over_budget`, `busy` (the last two fall back to the approximate
-    /// index).
+    /// `over_budget`, `busy`, `error` (all but `ok` fall back to the
+    /// approximate index).
     pub fn register(&self, metrics: &crate::metrics::Metrics) {
         metrics.register_metric(
             "prompt_tokenizations",
-            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget and busy fall back to the approximate index)",
+            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget, busy and error fall back to the approximate index)",
             self.outcomes.clone(),
         );
     }
@@ -192,11 +201,18 @@ impl PromptTokenizer {
             tokens
         });
         match tokio::time::timeout(self.budget, work).await {
-            Ok(Ok(tokens)) => {
+            Ok(Ok(Ok(tokens))) => {
                 self.count("ok");
                 Some(PromptTokens::new(tokens))
             }
-            _ => {
+            Ok(Ok(Err(error))) => {
+                // A template's own refusal (e.g. roles that do not
+                // alternate): the engine refuses the request too.
+                tracing::debug!(%error, "prompt not tokenized");
+                self.count("error");
+                None
+            }
+            Ok(Err(_)) | Err(_) => {
                 self.count("over_budget");
                 None
             }
@@ -227,7 +243,9 @@ mod tests {
 
     #[test]
     fn the_simulator_dummy_splits_words_and_punctuation_with_their_whitespace() {
-        let Tokenizer::SimulatorDummy(re) = Tokenizer::simulator_dummy();
+        let Tokenizer::SimulatorDummy(re) = Tokenizer::simulator_dummy() else {
+            unreachable!()
+        };
         let parts: Vec<&str> = re
             .find_iter("### user: Hi, _x_y  there!\n")
             .map(|m| m.as_str())
@@ -247,12 +265,14 @@ mod tests {
         let t = Tokenizer::simulator_dummy();
         let p = chat(&[("system", "be brief"), ("user", "hello")]);
         let direct = Tokenizer::simulator_dummy();
-        let Tokenizer::SimulatorDummy(re) = &direct;
+        let Tokenizer::SimulatorDummy(re) = &direct else {
+            unreachable!()
+        };
         let expected: Vec<u32> = re
             .find_iter("### system: be brief\n### user: hello\n")
             .map(|m| fnv1a_32(m.as_str()))
             .collect();
-        assert_eq!(t.tokens(&p), expected);
+        assert_eq!(t.tokens(&p).unwrap(), expected);
     }
 
     #[test]

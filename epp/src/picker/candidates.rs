@@ -19,6 +19,36 @@ pub struct CandidateSet {
     pub candidates: Vec<Candidate>,
     states: Vec<Arc<DestinationState>>,
     features: Vec<Option<TtftFeatures>>,
+    /// Local candidates' cached-prefix predictions; `None` for providers.
+    prefixes: Vec<Option<PrefixPrediction>>,
+}
+
+/// Where a candidate's cached-prefix count came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixSource {
+    /// The Pod's KV-event index (precise mode), with its block size.
+    Events { block_size: u32 },
+    /// What the EPP routed there (the approximate index).
+    Estimate,
+}
+
+impl PrefixSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixSource::Events { .. } => "events",
+            PrefixSource::Estimate => "estimate",
+        }
+    }
+}
+
+/// A local candidate's cached prefix as the decision saw it, to compare
+/// with what its engine reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixPrediction {
+    pub cached_tokens: f64,
+    pub source: PrefixSource,
+    /// The prompt's tokens as precise mode tokenized it, if it did.
+    pub prompt_tokens: Option<u64>,
 }
 
 impl CandidateSet {
@@ -37,7 +67,9 @@ impl CandidateSet {
             candidates: Vec::with_capacity(snapshot.len() + compiled.providers.len()),
             states: Vec::new(),
             features: Vec::new(),
+            prefixes: Vec::new(),
         };
+        let tokenized = tokens.map(|t| t.ids().len() as u64);
         // Each endpoint's address is formatted once per request.
         let tokens_per_block = picker.config.block_chars as f64 / 4.0;
         let prompt = request.prompt_tokens as f64;
@@ -51,8 +83,18 @@ impl CandidateSet {
             }
             let ep = &view.endpoint;
             let state = &view.state;
-            let cached =
-                cached_prefix_tokens(state, hashes, tokens_per_block, tokens, now).min(prompt);
+            let (cached, source) =
+                cached_prefix_tokens(state, hashes, tokens_per_block, tokens, now);
+            // Each source counts in its own tokens: the engine's, or estimated.
+            let cached = match (source, tokenized) {
+                (PrefixSource::Events { .. }, Some(ours)) => cached.min(ours as f64),
+                _ => cached.min(prompt),
+            };
+            let prefix = PrefixPrediction {
+                cached_tokens: cached,
+                source,
+                prompt_tokens: tokenized,
+            };
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do
             // not show yet: without them a burst ties every endpoint at the
@@ -107,6 +149,7 @@ impl CandidateSet {
                 });
                 set.states.push(Arc::clone(state));
                 set.features.push(features);
+                set.prefixes.push(Some(prefix));
             }
         }
         let provider_states = picker.providers.for_policy(compiled);
@@ -130,6 +173,7 @@ impl CandidateSet {
                 });
                 set.states.push(Arc::clone(&state));
                 set.features.push(None);
+                set.prefixes.push(None);
             }
         }
         set
@@ -172,6 +216,7 @@ impl CandidateSet {
                         state: Arc::clone(&self.states[routed.winner]),
                         features: self.features[routed.winner],
                         predicted_ttft: winner.metrics.predicted_ttft,
+                        prefix: self.prefixes[routed.winner],
                         prefix_hashes: Vec::new(),
                         detail: None,
                     }),
@@ -217,15 +262,20 @@ fn cached_prefix_tokens(
     tokens_per_block: f64,
     tokens: Option<&PromptTokens>,
     now: Instant,
-) -> f64 {
+) -> (f64, PrefixSource) {
     let precise = tokens
         .filter(|_| state.kv.usable(now))
         .zip(state.kv.block_size());
     match precise {
         Some((t, block_size)) => {
-            state.kv.cached_blocks(&t.chain(block_size)) as f64 * f64::from(block_size)
+            let blocks = state.kv.cached_blocks(&t.chain(block_size));
+            let source = PrefixSource::Events { block_size };
+            (blocks as f64 * f64::from(block_size), source)
         }
-        None => state.prefix.cached_blocks(hashes) as f64 * tokens_per_block,
+        None => {
+            let blocks = state.prefix.cached_blocks(hashes);
+            (blocks as f64 * tokens_per_block, PrefixSource::Estimate)
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 pub use crate::extproc::router::Incoming;
-pub use candidates::CandidateSet;
+pub use candidates::{CandidateSet, PrefixPrediction, PrefixSource};
 pub use decision_log::{DecisionLog, LogTarget};
 pub use providers::ProviderStates;
 pub use recent::{RecentDecisions, RecordedDecision};
@@ -27,7 +27,10 @@ pub use recent::{RecentDecisions, RecordedDecision};
 use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
 use crate::extproc::body::estimate_tokens;
+use crate::extproc::router::Usage;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
+use crate::kv_events::mismatch::Check;
+use crate::kv_events::precise::PreciseMode;
 use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
 use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
@@ -71,7 +74,7 @@ pub struct Picker {
     /// `--decision-log`, set once at start.
     pub decision_log: std::sync::OnceLock<DecisionLog>,
     /// `--kv-events-port`: the tokenizer of precise prefix mode.
-    precise: std::sync::OnceLock<PromptTokenizer>,
+    precise: std::sync::OnceLock<PreciseMode>,
     pub config: PickerConfig,
     /// API keys of providers, by provider name.
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
@@ -117,6 +120,8 @@ pub struct LocalPick {
     pub features: Option<TtftFeatures>,
     /// The winner's predicted TTFT in seconds, to compare with the observed.
     pub predicted_ttft: Option<f64>,
+    /// The winner's cached prefix as predicted, to compare with the reported.
+    pub prefix: Option<PrefixPrediction>,
     /// The prompt's prefix block hashes, to record once the answer is sent.
     pub prefix_hashes: Vec<u64>,
     /// The decision detail (`--decision-detail`), compact JSON.
@@ -174,14 +179,18 @@ impl Picker {
     /// Precise prefix mode: matches prompts against the engines' KV events
     /// with this tokenizer. Set once, at start.
     pub fn enable_precise_prefix(&self, tokenizer: PromptTokenizer) {
-        tokenizer.register(&self.metrics);
-        let _ = self.precise.set(tokenizer);
+        let precise = PreciseMode::new(tokenizer);
+        precise.register(&self.metrics);
+        let _ = self.precise.set(precise);
     }
 
     /// The prompt's tokens in precise mode, if tokenized in time.
     async fn prompt_tokens(&self, incoming: &Incoming<'_>) -> Option<PromptTokens> {
-        let tokenizer = self.precise.get()?;
-        tokenizer.tokenize(PromptText::of(incoming.body)).await
+        let precise = self.precise.get()?;
+        precise
+            .tokenizer
+            .tokenize(PromptText::of(incoming.body))
+            .await
     }
 
     /// Decides one request. Never panics on odd input; an unusable request is
@@ -368,6 +377,8 @@ pub struct Ticket {
     features: Option<TtftFeatures>,
     /// The prediction itself, in seconds.
     predicted_ttft: Option<f64>,
+    /// The cached prefix the decision counted on; `None` for a provider.
+    prefix: Option<PrefixPrediction>,
     decided_at: Instant,
 }
 
@@ -377,6 +388,7 @@ impl Ticket {
         address: Option<String>,
         features: Option<TtftFeatures>,
         predicted_ttft: Option<f64>,
+        prefix: Option<PrefixPrediction>,
     ) -> Self {
         let now = Instant::now();
         Ticket {
@@ -385,6 +397,7 @@ impl Ticket {
             address,
             features,
             predicted_ttft,
+            prefix,
             decided_at: now,
         }
     }
@@ -415,6 +428,7 @@ impl Router for Picker {
                     local.addresses.first().cloned(),
                     local.features,
                     local.predicted_ttft,
+                    local.prefix,
                 );
                 // Indexing a long prompt costs a few hundred microseconds:
                 // done beside the reply, not before it.
@@ -452,7 +466,7 @@ impl Router for Picker {
                         return (route, None);
                     }
                 };
-                let ticket = Ticket::new(p.state, None, None, None);
+                let ticket = Ticket::new(p.state, None, None, None, None);
                 let route = Route::Provider(ProviderRoute {
                     rule: p.rule,
                     provider: p.provider,
@@ -496,6 +510,38 @@ impl Router for Picker {
                 self.observe_ttft(&ticket.state, ticket.features.as_ref(), ttft);
                 ticket.guard.record(Outcome::Success, now);
             }
+        }
+    }
+
+    fn wants_usage(&self, ticket: &Ticket) -> bool {
+        ticket.prefix.is_some()
+    }
+
+    /// The engine's own counts against the decision's: the cached-prefix
+    /// prediction error, and in precise mode the tokenizer check.
+    fn usage(&self, ticket: &mut Ticket, usage: Usage) {
+        let Some(prefix) = ticket.prefix else { return };
+        if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens) {
+            self.metrics.observe_cached_prefix_prediction(
+                prefix.source.as_str(),
+                prefix.cached_tokens,
+                reported,
+                prompt,
+            );
+        }
+        if let (Some(precise), Some(ours)) = (self.precise.get(), prefix.prompt_tokens) {
+            let predicted = match prefix.source {
+                PrefixSource::Events { block_size } => {
+                    Some((prefix.cached_tokens as u64, block_size))
+                }
+                PrefixSource::Estimate => None,
+            };
+            precise.check(Check {
+                ours,
+                predicted,
+                engine_prompt: usage.prompt_tokens,
+                engine_cached: usage.cached_tokens,
+            });
         }
     }
 }

