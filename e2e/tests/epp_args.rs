@@ -6,7 +6,7 @@ use kinference_api::InferencePolicy;
 use kinference_epp::cli::Args;
 use kinference_operator::resources::{
     CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, EppSettings,
-    Names, PROVIDER_SECRETS_DIR, deployment,
+    Names, PROVIDER_SECRETS_DIR, TOKENIZER_DIR, deployment,
 };
 use serde_json::json;
 
@@ -95,4 +95,29 @@ fn a_client_ca_turns_on_client_certificates_over_tls() {
     );
     // mTLS needs the TLS the EPP serves by default.
     assert!(parsed.secure_serving);
+}
+
+#[test]
+fn precise_prefix_turns_on_the_events_port_with_the_mounted_tokenizer() {
+    use kinference_epp::cli::KvEventsTokenizer;
+    let mut spec = minimal_spec();
+    spec["endpointPicker"] = json!({"precisePrefix": {
+        "tokenizer": {"image": "reg.example/tok:1"},
+        "tokenizeBudget": "12ms"
+    }});
+    let (parsed, _) = generated_args(spec);
+    assert_eq!(parsed.kv_events_port, Some(5557));
+    assert_eq!(
+        parsed.kv_events_tokenizer,
+        Some(KvEventsTokenizer::Directory(TOKENIZER_DIR.into()))
+    );
+    assert_eq!(
+        parsed.kv_events_tokenize_budget,
+        std::time::Duration::from_millis(12)
+    );
+    let (parsed, _) = generated_args(minimal_spec());
+    assert_eq!(
+        (parsed.kv_events_port, parsed.kv_events_tokenizer),
+        (None, None)
+    );
 }

@@ -1434,6 +1434,86 @@ async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() 
     Ok(())
 }
 
+#[tokio::test]
+async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    policies
+        .create(&PostParams::default(), &policy("chat", valid_spec())?)
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    let precise = |settings: Value| {
+        Patch::Merge(json!({"spec": {"endpointPicker": {"precisePrefix": settings}}}))
+    };
+
+    // The schema takes it; the operator refuses it, saying where and why.
+    let taken = json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}, "eventsPort": 9090});
+    policies
+        .patch("chat", &PatchParams::default(), &precise(taken))
+        .await?;
+    let (_, accepted) = wait_condition(&policies, "chat", "Accepted", "False").await?;
+    ensure!(
+        accepted
+            .message
+            .contains("spec.endpointPicker.precisePrefix.eventsPort: 9090 is taken"),
+        "{accepted:?}"
+    );
+
+    let good = json!({
+        "tokenizer": {"image": "reg.example/tok/qwen3:1", "path": "qwen3"},
+        "eventsPort": 5557
+    });
+    policies
+        .patch("chat", &PatchParams::default(), &precise(good))
+        .await?;
+    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    // The API server stored the image volume as generated (it drops fields
+    // it does not know).
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let pod = eventually("the tokenizer image mounted", async || {
+        let d = deployments.get("chat-epp").await?;
+        let pod = d.spec.and_then(|s| s.template.spec).context("pod spec")?;
+        let image = pod.volumes.iter().flatten().find_map(|v| v.image.clone());
+        Ok(image.map(|i| (i, pod)))
+    })
+    .await?;
+    let (image, pod) = pod;
+    assert_eq!(image.reference.as_deref(), Some("reg.example/tok/qwen3:1"));
+    let args = pod.containers[0].args.clone().unwrap_or_default();
+    for flag in [
+        "--kv-events-port=5557",
+        "--kv-events-tokenizer=/var/run/kinference/tokenizer",
+    ] {
+        assert!(args.contains(&flag.to_string()), "{flag}: {args:?}");
+    }
+    let services: Api<Service> = Api::namespaced(client.clone(), NS);
+    let ports = services.get("chat-epp").await?.spec.and_then(|s| s.ports);
+    assert!(
+        ports
+            .iter()
+            .flatten()
+            .any(|p| p.name.as_deref() == Some("kv-events") && p.port == 5557),
+        "{ports:?}"
+    );
+    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), NS);
+    let np = serde_json::to_value(nps.get("chat-epp").await?.spec)?;
+    let events = np["ingress"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["ports"][0]["port"] == 5557)
+        .cloned();
+    assert_eq!(
+        events.map(|r| r["from"].clone()),
+        Some(json!([{"podSelector": {"matchLabels": {"app": "vllm-llama"}}}]))
+    );
+    operator.stop().await?;
+    Ok(())
+}
+
 /// What leader election rests on, and why it is not delegated to the
 /// `kube-leader-election` crate (whose acquire and renew are merge patches
 /// without a resourceVersion): candidates racing for a free Lease in the

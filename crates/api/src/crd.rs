@@ -81,6 +81,10 @@ impl InferencePolicySpec {
     pub fn client_ca(&self) -> Option<&ClientCaRef> {
         self.endpoint_picker.as_ref()?.client_ca.as_ref()
     }
+
+    pub fn precise_prefix(&self) -> Option<&PrecisePrefixSpec> {
+        self.endpoint_picker.as_ref()?.precise_prefix.as_ref()
+    }
 }
 
 /// Securing the EPP's ports. The ext_proc port (9002) answers provider picks
@@ -95,6 +99,92 @@ pub struct EndpointPickerSpec {
     /// only gateways holding a certificate signed by this CA may connect.
     #[serde(default, rename = "clientCA", skip_serializing_if = "Option::is_none")]
     pub client_ca: Option<ClientCaRef>,
+    /// Precise prefix-cache routing: the model servers publish their
+    /// KV-cache events to the EPP, which then knows which prompt prefixes
+    /// each Pod holds instead of estimating it. Off unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precise_prefix: Option<PrecisePrefixSpec>,
+}
+
+/// The events port, vLLM's default publisher port.
+pub const DEFAULT_KV_EVENTS_PORT: i32 = 5557;
+
+/// Precise prefix mode. Each model server publishes to
+/// `tcp://<policy>-epp.<namespace>.svc:<eventsPort>` with the topic
+/// `kv@<its Pod IP>@<model>` (vLLM: `--kv-events-config`; see the README).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PrecisePrefixSpec {
+    /// The served model's tokenizer, which must be the engine's: prompts
+    /// are matched by token ids.
+    pub tokenizer: TokenizerSource,
+    /// Port the EPP receives events on (ZeroMQ); default 5557. The
+    /// generated NetworkPolicy admits only the pool's Pods to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub events_port: Option<i32>,
+    /// A prompt not tokenized within this time is matched by the estimate
+    /// instead (e.g. `5ms`, the default; at most `1s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_budget: Option<String>,
+}
+
+/// Where the tokenizer files come from: an OCI image (or artifact) mounted
+/// read-only as an image volume (Kubernetes 1.35+, or 1.33+ with the
+/// `ImageVolume` feature gate). A ConfigMap cannot hold them (a Qwen3
+/// `tokenizer.json` is 11 MB, over the 1 MiB limit).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenizerSource {
+    /// The image reference, e.g. `registry.example/tokenizers/qwen3:2507`.
+    #[schemars(length(min = 1, max = 4096))]
+    pub image: String,
+    /// The directory in the image holding `tokenizer.json` and the chat
+    /// template (`chat_template.jinja` or `tokenizer_config.json`); default:
+    /// the image's root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub path: Option<String>,
+}
+
+impl PrecisePrefixSpec {
+    pub fn events_port(&self) -> i32 {
+        self.events_port.unwrap_or(DEFAULT_KV_EVENTS_PORT)
+    }
+
+    /// What is wrong with the settings, as `path: message` under
+    /// `spec.endpointPicker.precisePrefix`.
+    pub fn errors(&self, reserved_ports: &[i32]) -> Vec<String> {
+        let at = "spec.endpointPicker.precisePrefix";
+        let mut errors = Vec::new();
+        if self.tokenizer.image.trim().is_empty() {
+            errors.push(format!("{at}.tokenizer.image: must name an image"));
+        }
+        if let Some(path) = &self.tokenizer.path {
+            let parts: Vec<&str> = path.split('/').collect();
+            if path.starts_with('/') || parts.contains(&"..") {
+                errors.push(format!(
+                    "{at}.tokenizer.path: {path:?} must be a relative path inside the image, without `..`"
+                ));
+            }
+        }
+        let port = self.events_port();
+        if !(1..=65535).contains(&port) {
+            errors.push(format!("{at}.eventsPort: {port} is not a port number"));
+        } else if reserved_ports.contains(&port) {
+            errors.push(format!(
+                "{at}.eventsPort: {port} is taken by the EPP's own ports {reserved_ports:?}"
+            ));
+        }
+        if let Some(budget) = &self.tokenize_budget {
+            match kinference_policy::duration::parse_duration(budget) {
+                Ok(d) if d <= std::time::Duration::from_secs(1) => {}
+                Ok(_) => errors.push(format!("{at}.tokenizeBudget: {budget:?} is over 1s")),
+                Err(e) => errors.push(format!("{at}.tokenizeBudget: {e}")),
+            }
+        }
+        errors
+    }
 }
 
 /// Which peers the generated NetworkPolicy admits. Ports not listed here

@@ -14,8 +14,8 @@ pub use admission::{
     admission_yaml,
 };
 pub use crd::{
-    ClientCaRef, EndpointPickerSpec, EppNetworkPolicySpec, InferencePolicy, InferencePolicySpec,
-    InferencePolicyStatus, crd, crd_yaml,
+    ClientCaRef, DEFAULT_KV_EVENTS_PORT, EndpointPickerSpec, EppNetworkPolicySpec, InferencePolicy,
+    InferencePolicySpec, InferencePolicyStatus, PrecisePrefixSpec, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use kinference_policy::PolicySpec;

@@ -15,7 +15,9 @@ use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
-use kinference_api::{CONDITION_READY, InferencePolicy, InferencePolicyStatus};
+use kinference_api::{
+    CONDITION_READY, InferencePolicy, InferencePolicySpec, InferencePolicyStatus,
+};
 use kinference_policy::CompiledPolicy;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -136,7 +138,7 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     // (and announce) the same change twice.
     let prev = ctx.memory.status(&uid).or_else(|| policy.status.clone());
 
-    let compiled = compile(&name, spec);
+    let compiled = compile(&name, &policy.spec);
     // A failed apply still gets a status (Ready=False, ApplyFailed, naming
     // the object and the API server's message) before it is returned as the
     // reconcile's error, which retries it with backoff.
@@ -202,21 +204,25 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     }))
 }
 
-/// Compiles the policy and checks the names it will generate; every error
-/// as `path: message` with paths under `spec` (or `metadata`).
-fn compile(
-    name: &str,
-    spec: &kinference_policy::PolicySpec,
-) -> Result<CompiledPolicy, Vec<String>> {
-    let name_errors = resources::validate_names(name, spec);
-    match kinference_policy::compile(spec) {
-        Ok(compiled) if name_errors.is_empty() => Ok(compiled),
-        Ok(_) => Err(name_errors.iter().map(ToString::to_string).collect()),
+/// Compiles the policy and checks the names it will generate and the EPP
+/// settings; every error as `path: message` with paths under `spec` (or
+/// `metadata`).
+fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec<String>> {
+    let mut other_errors: Vec<String> = resources::validate_names(name, &spec.policy)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    if let Some(precise) = spec.precise_prefix() {
+        other_errors.extend(precise.errors(&resources::EPP_PORTS));
+    }
+    match kinference_policy::compile(&spec.policy) {
+        Ok(compiled) if other_errors.is_empty() => Ok(compiled),
+        Ok(_) => Err(other_errors),
         Err(errors) => Err(errors
             .prefixed("spec")
             .iter()
-            .chain(&name_errors)
             .map(ToString::to_string)
+            .chain(other_errors)
             .collect()),
     }
 }
@@ -385,13 +391,17 @@ mod tests {
     use super::*;
     use crate::resources::testing::example_spec;
 
+    fn spec(policy: kinference_policy::PolicySpec) -> InferencePolicySpec {
+        InferencePolicySpec::new(policy)
+    }
+
     #[test]
     fn compile_prefixes_paths_and_adds_name_errors() {
-        assert!(compile("chat", &example_spec()).is_ok());
-        let mut spec = example_spec();
-        spec.pool.selector.clear();
-        spec.providers[0].name = "OpenAI".into();
-        let errors = compile("chat", &spec).unwrap_err();
+        assert!(compile("chat", &spec(example_spec())).is_ok());
+        let mut policy = example_spec();
+        policy.pool.selector.clear();
+        policy.providers[0].name = "OpenAI".into();
+        let errors = compile("chat", &spec(policy)).unwrap_err();
         assert!(errors[0].starts_with("spec.pool.selector: "), "{errors:?}");
         assert!(
             errors
@@ -400,9 +410,36 @@ mod tests {
             "{errors:?}"
         );
         // Name problems alone also reject the policy.
-        let errors = compile("Chat", &example_spec()).unwrap_err();
+        let errors = compile("Chat", &spec(example_spec())).unwrap_err();
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[0].starts_with("metadata.name: "));
+    }
+
+    #[test]
+    fn precise_prefix_settings_are_validated_with_their_paths() {
+        let precise = |value: serde_json::Value| {
+            let mut s = spec(example_spec());
+            s.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+                precise_prefix: Some(serde_json::from_value(value).unwrap()),
+                ..Default::default()
+            });
+            compile("chat", &s)
+        };
+        let image = |image: &str| serde_json::json!({ "image": image });
+        assert!(precise(serde_json::json!({ "tokenizer": image("reg/tok:1") })).is_ok());
+        let custom = serde_json::json!({
+            "tokenizer": { "image": "reg/tok:1", "path": "models/qwen3" },
+            "eventsPort": 6000,
+            "tokenizeBudget": "20ms"
+        });
+        assert!(precise(custom).is_ok());
+        let errors = precise(serde_json::json!({
+            "tokenizer": { "image": " ", "path": "../etc" },
+            "eventsPort": 9002,
+            "tokenizeBudget": "2s"
+        }))
+        .unwrap_err();
+        insta::assert_yaml_snapshot!(errors);
     }
 
     #[test]

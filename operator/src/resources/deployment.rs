@@ -13,9 +13,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, GRPCAction,
-    KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretProjection,
-    SecretVolumeSource, SecurityContext, Volume, VolumeMount, VolumeProjection,
+    ImageVolumeSource, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    SecretProjection, SecretVolumeSource, SecurityContext, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -37,6 +37,8 @@ pub const PROVIDER_SECRETS_DIR: &str = "/var/run/kinference/provider-secrets";
 /// Where the gateways' client CA is mounted (mTLS on ext_proc).
 pub const CLIENT_CA_DIR: &str = "/etc/kinference/client-ca";
 pub const CLIENT_CA_FILE: &str = "ca.crt";
+/// Where the tokenizer image of precise prefix mode is mounted.
+pub const TOKENIZER_DIR: &str = "/var/run/kinference/tokenizer";
 /// Owner and group read only; the group is the Pod's fsGroup, the EPP's.
 const SECRET_FILE_MODE: i32 = 0o440;
 
@@ -207,6 +209,36 @@ pub fn deployment(
             ..Volume::default()
         });
     }
+    if let Some(precise) = policy.spec.precise_prefix() {
+        args.push(format!("--kv-events-port={}", precise.events_port()));
+        args.push(format!("--kv-events-tokenizer={TOKENIZER_DIR}"));
+        if let Some(budget) = &precise.tokenize_budget {
+            args.push(format!("--kv-events-tokenize-budget={budget}"));
+        }
+        // An image volume: read-only, pulled and cached by the kubelet like
+        // any image, with the Pod's pull secrets; no init container copying
+        // 11 MB into an emptyDir, and no download from a model hub at start.
+        mounts.push(VolumeMount {
+            sub_path: precise.tokenizer.path.clone().filter(|p| !p.is_empty()),
+            ..mount("tokenizer", TOKENIZER_DIR, true)
+        });
+        volumes.push(Volume {
+            name: "tokenizer".into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(precise.tokenizer.image.clone()),
+                pull_policy: Some("IfNotPresent".into()),
+            }),
+            ..Volume::default()
+        });
+    }
+    let mut ports = vec![
+        port("grpc", EPP_GRPC_PORT),
+        port("grpc-health", EPP_HEALTH_PORT),
+        port("metrics", EPP_METRICS_PORT),
+    ];
+    if let Some(precise) = policy.spec.precise_prefix() {
+        ports.push(port("kv-events", precise.events_port()));
+    }
 
     let container = Container {
         name: "epp".into(),
@@ -217,11 +249,7 @@ pub fn deployment(
             field_env("POD_NAME", "metadata.name"),
             field_env("POD_NAMESPACE", "metadata.namespace"),
         ]),
-        ports: Some(vec![
-            port("grpc", EPP_GRPC_PORT),
-            port("grpc-health", EPP_HEALTH_PORT),
-            port("metrics", EPP_METRICS_PORT),
-        ]),
+        ports: Some(ports),
         readiness_probe: Some(grpc_probe("readiness", 5)),
         liveness_probe: Some(grpc_probe("liveness", 10)),
         // No CPU limit: the EPP sits on every request's latency path and CFS
@@ -409,6 +437,47 @@ mod tests {
             (items[0].key.as_str(), items[0].path.as_str()),
             ("bundle.pem", "ca.crt")
         );
+    }
+
+    #[test]
+    fn precise_prefix_mounts_the_tokenizer_image_and_opens_the_events_port() {
+        let (policy, compiled) = example_precise();
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert_eq!(arg(&pod, "--kv-events-port"), Some("5600"));
+        assert_eq!(
+            arg(&pod, "--kv-events-tokenizer"),
+            Some("/var/run/kinference/tokenizer")
+        );
+        assert_eq!(arg(&pod, "--kv-events-tokenize-budget"), Some("8ms"));
+        let image = volume(&pod, "tokenizer")
+            .and_then(|v| v.image.clone())
+            .expect("an image volume");
+        assert_eq!(image.reference.as_deref(), Some("reg.example/tok/qwen3:1"));
+        let mount = pod.containers[0]
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.name == "tokenizer")
+            .unwrap();
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.sub_path.as_deref()),
+            ("/var/run/kinference/tokenizer", Some("tokenizer"))
+        );
+        assert_eq!(mount.read_only, Some(true));
+        let ports = pod.containers[0].ports.as_ref().unwrap();
+        assert!(
+            ports
+                .iter()
+                .any(|p| p.name.as_deref() == Some("kv-events") && p.container_port == 5600)
+        );
+
+        // Off by default: no flag, no volume, no port.
+        let (policy, compiled) = example();
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert_eq!(arg(&pod, "--kv-events-port"), None);
+        assert!(volume(&pod, "tokenizer").is_none());
+        assert_eq!(pod.containers[0].ports.as_ref().unwrap().len(), 3);
     }
 
     #[test]

@@ -21,12 +21,22 @@ pub fn epp_service(policy: &InferencePolicy, names: &Names) -> Service {
         spec: Some(ServiceSpec {
             type_: Some("ClusterIP".into()),
             selector: Some(epp_selector(names)),
-            ports: Some(vec![
-                // Gateways speak ext_proc (gRPC) to it: appProtocol tells them
-                // to use HTTP/2.
-                port("grpc", EPP_GRPC_PORT, Some("http2")),
-                port("metrics", EPP_METRICS_PORT, None),
-            ]),
+            ports: Some(
+                [
+                    // Gateways speak ext_proc (gRPC) to it: appProtocol tells
+                    // them to use HTTP/2.
+                    Some(port("grpc", EPP_GRPC_PORT, Some("http2"))),
+                    Some(port("metrics", EPP_METRICS_PORT, None)),
+                    // The model servers publish their KV-cache events here.
+                    policy
+                        .spec
+                        .precise_prefix()
+                        .map(|p| port("kv-events", p.events_port(), None)),
+                ]
+                .into_iter()
+                .flatten()
+                .collect(),
+            ),
             ..ServiceSpec::default()
         }),
         status: None,
@@ -44,6 +54,21 @@ mod tests {
         insta::assert_yaml_snapshot!(
             "epp_service",
             desired(&policy, &compiled, &settings()).epp_service
+        );
+    }
+
+    #[test]
+    fn precise_prefix_adds_the_events_port() {
+        let (policy, compiled) = example_precise();
+        let service = desired(&policy, &compiled, &settings()).epp_service;
+        let ports = service.spec.unwrap().ports.unwrap();
+        let names: Vec<(&str, i32)> = ports
+            .iter()
+            .map(|p| (p.name.as_deref().unwrap(), p.port))
+            .collect();
+        assert_eq!(
+            names,
+            [("grpc", 9002), ("metrics", 9090), ("kv-events", 5600)]
         );
     }
 }

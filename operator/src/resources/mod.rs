@@ -33,8 +33,11 @@ pub use backend_tls_policy::backend_tls_policy;
 pub use config_map::{check_config_map_size, config_map, epp_status_config_map};
 pub use deployment::{
     CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
-    PROVIDER_SECRETS_DIR, deployment, epp_selector,
+    PROVIDER_SECRETS_DIR, TOKENIZER_DIR, deployment, epp_selector,
 };
+
+/// The EPP's own ports, which no other setting may take.
+pub const EPP_PORTS: [i32; 3] = [EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT];
 pub use epp_service::epp_service;
 pub use http_route::http_route;
 pub use inference_pool::{InferencePool, InferencePoolSpec, inference_pool};
@@ -229,6 +232,24 @@ pub(crate) mod testing {
         let spec = example_spec();
         let compiled = kinference_policy::compile(&spec).expect("example policy compiles");
         (example_policy(spec), compiled)
+    }
+
+    /// The example with precise prefix mode on: `tokenizer` in the image
+    /// `reg.example/tok/qwen3:1`, events on port 5600.
+    pub fn example_precise() -> (InferencePolicy, CompiledPolicy) {
+        let (mut policy, compiled) = example();
+        policy.spec.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+            precise_prefix: Some(
+                serde_json::from_value(serde_json::json!({
+                    "tokenizer": { "image": "reg.example/tok/qwen3:1", "path": "tokenizer" },
+                    "eventsPort": 5600,
+                    "tokenizeBudget": "8ms"
+                }))
+                .unwrap(),
+            ),
+            ..Default::default()
+        });
+        (policy, compiled)
     }
 
     pub fn settings() -> EppSettings {

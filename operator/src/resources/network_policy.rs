@@ -1,8 +1,9 @@
 //! The EPP's NetworkPolicy. A provider pick answers ext_proc with the
 //! provider's API key in a header, so whoever reaches port 9002 can collect
 //! the keys: only the gateway may. `/metrics` (9090) is for scrapers only.
-//! Nothing else is admitted; the gRPC health port (9003) serves the
-//! kubelet's probes, which come from the node (the common CNIs, e.g. Calico,
+//! In precise prefix mode the events port admits the pool's own Pods only:
+//! an event stream decides where prompts go. Nothing else is admitted; the
+//! gRPC health port (9003) serves the kubelet's probes, which come from the node (the common CNIs, e.g. Calico,
 //! Cilium and Antrea, always admit a Pod's own node).
 //!
 //! Gateways are Pods the gateway implementation runs, so by default they
@@ -96,9 +97,24 @@ pub fn network_policy(
             }]),
         })
     };
+    // The model servers: the pool's Pods, in the policy's namespace.
+    let events = policy.spec.precise_prefix().and_then(|p| {
+        let pool = NetworkPolicyPeer {
+            pod_selector: Some(match_labels(
+                compiled
+                    .pool
+                    .selector
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )),
+            ..NetworkPolicyPeer::default()
+        };
+        rule(p.events_port(), vec![pool])
+    });
     let ingress: Vec<NetworkPolicyIngressRule> = [
         rule(EPP_GRPC_PORT, ext_proc_from),
         rule(EPP_METRICS_PORT, metrics_from),
+        events,
     ]
     .into_iter()
     .flatten()
@@ -192,6 +208,27 @@ mod tests {
             .iter()
             .map(|r| (r["ports"][0]["port"].as_i64().unwrap(), r["from"].clone()))
             .collect()
+    }
+
+    #[test]
+    fn precise_prefix_admits_only_the_pools_pods_to_the_events_port() {
+        let (policy, compiled) = example_precise();
+        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let events: Vec<_> = admitted(&np)
+            .into_iter()
+            .filter(|(port, _)| *port == 5600)
+            .collect();
+        // A bare podSelector: the policy's own namespace only.
+        assert_eq!(
+            events,
+            [(
+                5600,
+                json!([{ "podSelector": { "matchLabels": { "app": "vllm-llama" } } }])
+            )]
+        );
+        let (policy, compiled) = example();
+        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        assert_eq!(admitted(&np).len(), 2, "no events rule when off");
     }
 
     #[test]
