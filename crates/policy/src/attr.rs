@@ -140,6 +140,17 @@ pub enum Metric {
     ContextWindow,
 }
 
+impl Metric {
+    /// Whether the value counts the Pod's cached prompt prefix (a cached
+    /// prefix is cheaper and faster to serve).
+    pub fn depends_on_cached_prefix(self) -> bool {
+        matches!(
+            self,
+            Metric::CachedPrefixTokens | Metric::PredictedTtft | Metric::Cost
+        )
+    }
+}
+
 /// Objectives a `select` tier may minimize or maximize.
 pub const OBJECTIVES: &[&str] = &[
     "PredictedTTFT",

@@ -3,7 +3,8 @@
 use kinference_policy::CompiledPolicy;
 use kinference_policy::attr::CandidateType;
 use kinference_policy::eval::{
-    Candidate, Decision, Metrics, NoTrace, Request, Tags, Trace, evaluate, evaluate_with,
+    Candidate, Decision, Metrics, NoTrace, PrefixSource, Request, Tags, Trace, evaluate,
+    evaluate_with,
 };
 use kinference_policy::source::compile_text;
 use rand::SeedableRng;
@@ -490,6 +491,46 @@ fn the_trace_shows_the_tie_set_and_the_tie_break() {
     assert!(alone.tied.is_empty(), "{:?}", alone.tied);
     assert_eq!(alone.tie_break, None);
     assert_eq!(alone.winner, Some(cands[0].label()));
+}
+
+#[test]
+fn the_trace_says_where_each_cached_prefix_came_from() {
+    let p =
+        policy("rules:\n  - name: r\n    route: { select: [{ maximize: CachedPrefixTokens }] }\n");
+    let cached = |name: &str, tokens: f64, source: Option<PrefixSource>| Candidate {
+        cached_prefix_source: source,
+        ..with(local(name, "m"), |m| m.cached_prefix_tokens = Some(tokens))
+    };
+    let cands = [
+        cached("a", 512.0, Some(PrefixSource::Events)),
+        cached("bb", 128.0, Some(PrefixSource::Estimate)),
+        cached("ccc", 64.0, None),
+    ];
+    let mut trace = Trace::default();
+    let mut rng = StdRng::seed_from_u64(0);
+    evaluate_with(&p, &request("m"), &cands, &mut rng, &mut trace, |_| vec![]);
+    let values: Vec<&str> = trace.rules[0].tiers[0]
+        .ranking
+        .iter()
+        .map(|(_, v)| v.as_str())
+        .collect();
+    assert_eq!(values, ["512 (events)", "128 (estimate)", "64"]);
+    // Metrics that do not count the cached prefix are shown bare.
+    let p = policy("rules:\n  - name: r\n    route: { select: [{ minimize: QueueDepth }] }\n");
+    let queued = Candidate {
+        cached_prefix_source: Some(PrefixSource::Events),
+        ..with(local("a", "m"), |m| m.queue_depth = Some(2.0))
+    };
+    let mut trace = Trace::default();
+    evaluate_with(
+        &p,
+        &request("m"),
+        &[queued],
+        &mut rng,
+        &mut trace,
+        |_| vec![],
+    );
+    assert_eq!(trace.rules[0].tiers[0].ranking[0].1, "2");
 }
 
 #[test]

@@ -4,7 +4,9 @@
 use std::time::Instant;
 
 use kinference_policy::attr::CandidateType;
-use kinference_policy::eval::{Candidate, Decision, Metrics as CandidateMetrics, Request};
+use kinference_policy::eval::{
+    Candidate, Decision, Metrics as CandidateMetrics, PrefixSource, Request,
+};
 use kinference_policy::model::Price;
 
 use std::sync::Arc;
@@ -23,30 +25,14 @@ pub struct CandidateSet {
     prefixes: Vec<Option<PrefixPrediction>>,
 }
 
-/// Where a candidate's cached-prefix count came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefixSource {
-    /// The Pod's KV-event index (precise mode), with its block size.
-    Events { block_size: u32 },
-    /// What the EPP routed there (the approximate index).
-    Estimate,
-}
-
-impl PrefixSource {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PrefixSource::Events { .. } => "events",
-            PrefixSource::Estimate => "estimate",
-        }
-    }
-}
-
 /// A local candidate's cached prefix as the decision saw it, to compare
 /// with what its engine reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrefixPrediction {
     pub cached_tokens: f64,
     pub source: PrefixSource,
+    /// The block size the Pod's events declare, when they were the source.
+    pub block_size: Option<u32>,
     /// The prompt's tokens as precise mode tokenized it, if it did.
     pub prompt_tokens: Option<u64>,
 }
@@ -83,16 +69,17 @@ impl CandidateSet {
             }
             let ep = &view.endpoint;
             let state = &view.state;
-            let (cached, source) =
+            let (cached, source, block_size) =
                 cached_prefix_tokens(state, hashes, tokens_per_block, tokens, now);
             // Each source counts in its own tokens: the engine's, or estimated.
             let cached = match (source, tokenized) {
-                (PrefixSource::Events { .. }, Some(ours)) => cached.min(ours as f64),
+                (PrefixSource::Events, Some(ours)) => cached.min(ours as f64),
                 _ => cached.min(prompt),
             };
             let prefix = PrefixPrediction {
                 cached_tokens: cached,
                 source,
+                block_size,
                 prompt_tokens: tokenized,
             };
             let live = state.stats.snapshot(now);
@@ -146,6 +133,7 @@ impl CandidateSet {
                             .map(|p| p.cost(prompt, cached, output)),
                         context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
                     },
+                    cached_prefix_source: Some(source),
                 });
                 set.states.push(Arc::clone(state));
                 set.features.push(features);
@@ -262,19 +250,23 @@ fn cached_prefix_tokens(
     tokens_per_block: f64,
     tokens: Option<&PromptTokens>,
     now: Instant,
-) -> (f64, PrefixSource) {
+) -> (f64, PrefixSource, Option<u32>) {
     let precise = tokens
         .filter(|_| state.kv.usable(now))
         .zip(state.kv.block_size());
     match precise {
         Some((t, block_size)) => {
             let blocks = state.kv.cached_blocks(&t.chain(block_size));
-            let source = PrefixSource::Events { block_size };
-            (blocks as f64 * f64::from(block_size), source)
+            let tokens = blocks as f64 * f64::from(block_size);
+            (tokens, PrefixSource::Events, Some(block_size))
         }
         None => {
             let blocks = state.prefix.cached_blocks(hashes);
-            (blocks as f64 * tokens_per_block, PrefixSource::Estimate)
+            (
+                blocks as f64 * tokens_per_block,
+                PrefixSource::Estimate,
+                None,
+            )
         }
     }
 }

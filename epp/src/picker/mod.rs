@@ -13,13 +13,14 @@ use std::time::{Duration, Instant};
 
 use kinference_policy::duration::parse_duration;
 use kinference_policy::eval::{
-    Decision, DecisionRecord, Evaluation, NoTrace, Request, Tags, decision_detail, evaluate,
+    Decision, DecisionRecord, Evaluation, NoTrace, PrefixSource, Request, Tags, decision_detail,
+    evaluate,
 };
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 pub use crate::extproc::router::Incoming;
-pub use candidates::{CandidateSet, PrefixPrediction, PrefixSource};
+pub use candidates::{CandidateSet, PrefixPrediction};
 pub use decision_log::{DecisionLog, LogTarget};
 pub use providers::ProviderStates;
 pub use recent::{RecentDecisions, RecordedDecision};
@@ -530,11 +531,11 @@ impl Router for Picker {
             );
         }
         if let (Some(precise), Some(ours)) = (self.precise.get(), prefix.prompt_tokens) {
-            let predicted = match prefix.source {
-                PrefixSource::Events { block_size } => {
+            let predicted = match (prefix.source, prefix.block_size) {
+                (PrefixSource::Events, Some(block_size)) => {
                     Some((prefix.cached_tokens as u64, block_size))
                 }
-                PrefixSource::Estimate => None,
+                _ => None,
             };
             precise.check(Check {
                 ours,

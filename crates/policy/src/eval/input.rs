@@ -154,6 +154,29 @@ pub struct Candidate {
     pub labels: BTreeMap<String, String>,
     #[serde(default, flatten)]
     pub metrics: Metrics,
+    /// Where `CachedPrefixTokens` came from, for traces; not an attribute
+    /// policies read.
+    #[serde(default)]
+    pub cached_prefix_source: Option<PrefixSource>,
+}
+
+/// How a Pod's cached prefix was known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum PrefixSource {
+    /// The model server's own KV-cache events (precise prefix mode).
+    Events,
+    /// What the EPP routed there.
+    Estimate,
+}
+
+impl PrefixSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixSource::Events => "events",
+            PrefixSource::Estimate => "estimate",
+        }
+    }
 }
 
 /// Metric attributes; `None` when unknown (stale scrape, not priced, ...).
@@ -323,6 +346,7 @@ pub const CANDIDATE_FIELDS: &[&str] = &[
     "ErrorRate",
     "Cost",
     "contextWindow",
+    "cachedPrefixSource",
 ];
 
 /// Candidates from a file's JSON, refusing unknown fields (a typo such as
@@ -385,6 +409,9 @@ impl Serialize for Candidate {
         }
         for (name, value) in metrics.as_object().into_iter().flatten() {
             map.serialize_entry(name, value)?;
+        }
+        if let Some(source) = &self.cached_prefix_source {
+            map.serialize_entry("cachedPrefixSource", source)?;
         }
         map.end()
     }

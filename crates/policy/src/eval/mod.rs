@@ -13,8 +13,8 @@ use rand::Rng;
 
 pub use detail::decision_detail;
 pub use input::{
-    CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, Request, Tags, Val, clamp_attribute,
-    parse_candidates,
+    CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, PrefixSource, Request, Tags, Val,
+    clamp_attribute, parse_candidates,
 };
 pub use record::{
     DecisionRecord, DiffSummary, EXAMPLES_PER_GROUP, Group, Outcome, Totals, diff,

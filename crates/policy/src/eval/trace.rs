@@ -200,10 +200,18 @@ impl Tracer for Trace {
         let value = |i: usize, key: f64| match &tier.rank {
             Rank::Minimize(m) | Rank::Maximize(m) => {
                 let v = candidates[i].metrics.get(*m).unwrap_or(key);
-                if m.ty() == crate::attr::AttrType::Duration {
+                let shown = if m.ty() == crate::attr::AttrType::Duration {
                     format_seconds(v)
                 } else {
                     format!("{v}")
+                };
+                // Which cached prefix the value stands on: the Pod's own
+                // KV events, or the EPP's estimate.
+                match candidates[i].cached_prefix_source {
+                    Some(source) if m.depends_on_cached_prefix() => {
+                        format!("{shown} ({})", source.as_str())
+                    }
+                    _ => shown,
                 }
             }
             Rank::Order(_) => format!("#{}", key as usize + 1),
