@@ -9,7 +9,7 @@
 
 use std::hint::black_box;
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use kinference_epp::extproc::body;
 use kinference_epp::kv_events::tokenize::{PromptText, PromptTokens, Tokenizer};
 use kinference_epp::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
@@ -91,12 +91,40 @@ fn benches(c: &mut Criterion) {
                 black_box(tokens.chain(BLOCK_SIZE).len())
             })
         });
-        c.bench_function(&format!("precise: qwen3 tokenize+chain/{name}"), |b| {
-            b.iter(|| {
-                let tokens = PromptTokens::new(qwen3.tokens(black_box(&prompt)).unwrap());
-                black_box(tokens.chain(BLOCK_SIZE).len())
-            })
+        // A system prompt never seen: encoded whole.
+        let mut fresh = StdRng::seed_from_u64(11);
+        c.bench_function(&format!("precise: qwen3 tokenize+chain, new/{name}"), |b| {
+            b.iter_batched(
+                || chat(&words(&mut fresh, bytes), "why is that so?"),
+                |prompt| {
+                    let tokens = PromptTokens::new(qwen3.tokens(&prompt).unwrap());
+                    black_box(tokens.chain(BLOCK_SIZE).len())
+                },
+                BatchSize::SmallInput,
+            )
         });
+        // The same system prompt again, a new question: its pieces are kept.
+        let mut question = 0u64;
+        c.bench_function(
+            &format!("precise: qwen3 tokenize+chain, seen/{name}"),
+            |b| {
+                b.iter_batched(
+                    || {
+                        question += 1;
+                        let mut p = prompt.clone();
+                        p.text.push_str(&format!(" and {question}?"));
+                        let last = p.messages.len() - 1;
+                        p.messages[last].1.end = p.text.len();
+                        p
+                    },
+                    |prompt| {
+                        let tokens = PromptTokens::new(qwen3.tokens(&prompt).unwrap());
+                        black_box(tokens.chain(BLOCK_SIZE).len())
+                    },
+                    BatchSize::SmallInput,
+                )
+            },
+        );
     }
 
     // 200 Pods, each holding 0..100% of a 100 KB system prompt's blocks

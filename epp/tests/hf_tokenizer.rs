@@ -59,6 +59,80 @@ fn qwen3_prompts_tokenize_to_the_ids_python_records() {
     }
 }
 
+/// Chats cut at the tokenizer's added tokens and encoded piece by piece
+/// (long pieces kept) give exactly the ids of the whole chat encoded at
+/// once, whatever the content holds: added tokens' text, partial ones,
+/// pieces on either side of the kept-piece size.
+#[test]
+fn chats_encoded_piece_by_piece_equal_the_whole_encoding() {
+    let dir = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let hf = HfTokenizer::load(&dir).unwrap();
+    let whole = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let parts = [
+        "plain words ",
+        "<|im_start|>",
+        "<|im_end|>\n",
+        "<|im_sta",
+        "<think>",
+        "</think>\n\n",
+        "茶🍵 ",
+        "\t  ",
+        "<|endoftext|><|endoftext|>",
+        "x",
+    ];
+    let mut seed = 7u64;
+    let mut next = |n: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % n
+    };
+    for case in 0..200 {
+        let mut content = |max_parts: usize| {
+            let n = next(max_parts);
+            (0..n).map(|_| parts[next(parts.len())]).collect::<String>()
+        };
+        // System prompts from a few bytes to over a kilobyte.
+        let system = content(if case % 2 == 0 { 8 } else { 200 });
+        let user = content(6);
+        let prompt = prompt_of(&json!({ "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": user }
+        ]}));
+        let rendered = hf.render_chat(&prompt).unwrap();
+        let expected = whole.encode_fast(rendered.as_str(), false).unwrap();
+        assert_eq!(
+            hf.tokens(&prompt).unwrap(),
+            expected.get_ids(),
+            "case {case}: {rendered:?}"
+        );
+    }
+}
+
+#[test]
+fn a_long_system_prompt_is_encoded_once_and_then_found() {
+    let dir = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let hf = HfTokenizer::load(&dir).unwrap();
+    let system = "You answer questions about the history of tea. ".repeat(40);
+    let ask = |question: &str| {
+        prompt_of(&json!({ "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": question }
+        ]}))
+    };
+    let first = hf.tokens(&ask("How did tea reach Europe?")).unwrap();
+    assert_eq!(hf.piece_counts(), (1, 0), "the system prompt encoded");
+    let second = hf.tokens(&ask("And Japan?")).unwrap();
+    assert_eq!(hf.piece_counts(), (1, 1), "then found");
+    // Same prefix, different question.
+    let common = first
+        .iter()
+        .zip(&second)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(common > 360 && common < first.len(), "{common}");
+}
+
 #[test]
 fn a_tokenizer_directory_that_cannot_be_used_says_which_file_and_why() {
     let dir = tempfile::tempdir().unwrap();

@@ -36,7 +36,7 @@ const NO_PARENT: EngineBlock = EngineBlock(0);
 
 /// Per-process random seed of the token chain: prompts are
 /// attacker-controlled, so nobody can craft colliding blocks.
-fn chain_seed() -> u64 {
+pub(super) fn chain_seed() -> u64 {
     static SEED: OnceLock<u64> = OnceLock::new();
     *SEED.get_or_init(rand::random::<u64>)
 }
