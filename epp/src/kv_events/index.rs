@@ -220,6 +220,23 @@ struct Inner {
     cap: usize,
 }
 
+impl Inner {
+    fn usable(&self, now: Instant) -> bool {
+        self.freshness == Freshness::Live
+            && self
+                .awaiting_since
+                .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
+    }
+
+    fn cached_blocks(&self, chain: &[u64]) -> usize {
+        self.engines
+            .values()
+            .map(|e| e.cached_blocks(chain))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// What one Pod's engines hold.
 pub struct PodKvIndex {
     inner: Mutex<Inner>,
@@ -305,11 +322,7 @@ impl PodKvIndex {
     /// [`SILENCE`] since a request was routed to the Pod. Silence is not
     /// sticky: an event that comes without a gap makes it usable again.
     pub fn usable(&self, now: Instant) -> bool {
-        let inner = lock(&self.inner);
-        inner.freshness == Freshness::Live
-            && inner
-                .awaiting_since
-                .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
+        lock(&self.inner).usable(now)
     }
 
     /// Resizes to the engine's real cache (blocks per engine).
@@ -330,16 +343,29 @@ impl PodKvIndex {
             .find_map(|e| e.block_size)
     }
 
+    /// When the index is usable at `now` (see [`PodKvIndex::usable`]): the
+    /// leading tokens of a prompt held by the Pod, and the block size they
+    /// were counted in. `chain` gives the prompt's chain for a block size.
+    /// One lock for all of it: this runs for every Pod of every request.
+    pub fn cached_tokens(
+        &self,
+        now: Instant,
+        chain: impl FnOnce(u32) -> std::sync::Arc<[u64]>,
+    ) -> Option<(usize, u32)> {
+        let inner = lock(&self.inner);
+        if !inner.usable(now) {
+            return None;
+        }
+        let block_size = inner.engines.values().find_map(|e| e.block_size)?;
+        let chain = chain(block_size);
+        let blocks = inner.cached_blocks(&chain);
+        Some((blocks * block_size as usize, block_size))
+    }
+
     /// Leading blocks of `chain` held by the Pod: the best of its engines
     /// (the Pod's server may give the request to any rank).
     pub fn cached_blocks(&self, chain: &[u64]) -> usize {
-        let inner = lock(&self.inner);
-        inner
-            .engines
-            .values()
-            .map(|e| e.cached_blocks(chain))
-            .max()
-            .unwrap_or(0)
+        lock(&self.inner).cached_blocks(chain)
     }
 
     /// Blocks remembered, all engines together.
@@ -437,6 +463,21 @@ mod tests {
         assert!(!ix.usable(t0 + SILENCE), "the first request counts");
         ix.apply(1, &batch(vec![]));
         assert!(ix.usable(t0 + SILENCE * 2), "events resumed without a gap");
+    }
+
+    #[test]
+    fn cached_tokens_count_in_the_published_block_size_only_when_usable() {
+        let ix = PodKvIndex::default();
+        let t0 = Instant::now();
+        let chain = |bs: u32| -> std::sync::Arc<[u64]> {
+            assert_eq!(bs, BS, "chained in the engine's block size");
+            prompt(20).into()
+        };
+        assert_eq!(ix.cached_tokens(t0, chain), None, "no event yet");
+        ix.apply(0, &batch(vec![stored(&[10, 11], None, 0)]));
+        assert_eq!(ix.cached_tokens(t0, chain), Some((2 * BS as usize, BS)));
+        ix.apply(5, &batch(vec![])); // a gap: stale
+        assert_eq!(ix.cached_tokens(t0, chain), None);
     }
 
     #[test]

@@ -251,15 +251,9 @@ fn cached_prefix_tokens(
     tokens: Option<&PromptTokens>,
     now: Instant,
 ) -> (f64, PrefixSource, Option<u32>) {
-    let precise = tokens
-        .filter(|_| state.kv.usable(now))
-        .zip(state.kv.block_size());
+    let precise = tokens.and_then(|t| state.kv.cached_tokens(now, |bs| t.chain(bs)));
     match precise {
-        Some((t, block_size)) => {
-            let blocks = state.kv.cached_blocks(&t.chain(block_size));
-            let tokens = blocks as f64 * f64::from(block_size);
-            (tokens, PrefixSource::Events, Some(block_size))
-        }
+        Some((tokens, block_size)) => (tokens as f64, PrefixSource::Events, Some(block_size)),
         None => {
             let blocks = state.prefix.cached_blocks(hashes);
             (
