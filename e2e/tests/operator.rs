@@ -1378,8 +1378,10 @@ async fn epp_reports_outlive_the_operators_applies_and_go_with_their_pods() -> R
 
 /// `spec.endpointPicker`: disabling the NetworkPolicy deletes it, and a
 /// client CA mounts its Secret into the EPP and turns on `--client-ca-file`.
-#[tokio::test]
-async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() -> Result<()> {
+/// A cluster with the operator running and the policy `chat`
+/// ([`valid_spec`]) accepted in [`NS`].
+async fn accepted_chat_policy()
+-> Result<(TestCluster, Client, OperatorHandle, Api<InferencePolicy>)> {
     let cluster = start_cluster().await?;
     let client = cluster.client();
     create_namespace(&client, NS).await?;
@@ -1389,6 +1391,12 @@ async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() 
         .create(&PostParams::default(), &policy("chat", valid_spec())?)
         .await?;
     wait_condition(&policies, "chat", "Accepted", "True").await?;
+    Ok((cluster, client, operator, policies))
+}
+
+#[tokio::test]
+async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() -> Result<()> {
+    let (_cluster, client, operator, policies) = accepted_chat_policy().await?;
     let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), NS);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
     ensure!(
@@ -1436,15 +1444,7 @@ async fn endpoint_picker_settings_reach_the_network_policy_and_the_deployment() 
 
 #[tokio::test]
 async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> Result<()> {
-    let cluster = start_cluster().await?;
-    let client = cluster.client();
-    create_namespace(&client, NS).await?;
-    let (operator, _metrics) = start_operator(&client);
-    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
-    policies
-        .create(&PostParams::default(), &policy("chat", valid_spec())?)
-        .await?;
-    wait_condition(&policies, "chat", "Accepted", "True").await?;
+    let (_cluster, client, operator, policies) = accepted_chat_policy().await?;
     let precise = |settings: Value| {
         Patch::Merge(json!({"spec": {"endpointPicker": {"precisePrefix": settings}}}))
     };
