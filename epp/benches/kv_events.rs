@@ -2,15 +2,18 @@
 //! back to, on the same prompts: tokenizing and chaining a 7 KB and a
 //! 220 KB chat (with the `simulator-dummy` tokenizer, and with Qwen3's own
 //! tokenizer and chat template: `bench/peers/install.sh qwen3-tokenizer`),
-//! and matching a chain against 200 Pods' KV-event indexes. The text is
+//! and matching a chain against 200 Pods' KV-event indexes, each Pod's own
+//! and the pool's index (what the picker walks). The text is
 //! random letters, so a real tokenizer's word cache rarely hits: an upper
 //! bound for prose.
 //! `cargo bench -p kinference-epp --bench kv_events`
 
 use std::hint::black_box;
+use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use kinference_epp::extproc::body;
+use kinference_epp::kv_events::pool::PoolIndex;
 use kinference_epp::kv_events::tokenize::{PromptText, PromptTokens, Tokenizer};
 use kinference_epp::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
 use kinference_epp::predict::{
@@ -46,9 +49,9 @@ fn chat(system: &str, question: &str) -> PromptText {
     PromptText::of(&body::parse(body.to_string().as_bytes()).unwrap())
 }
 
-/// A Pod whose engine stored `tokens`' full blocks.
-fn pod_holding(tokens: &PromptTokens, seq: u64) -> std::sync::Arc<DestinationState> {
-    let state = DestinationState::new(&DestinationConfig::default());
+/// A Pod whose engine stored `tokens`' full blocks, shown in `pool`.
+fn pod_holding(tokens: &PromptTokens, seq: u64, pool: &Arc<PoolIndex>) -> Arc<DestinationState> {
+    let state = DestinationState::in_pool(&DestinationConfig::default(), pool);
     let chain = tokens.chain(BLOCK_SIZE);
     let ids = tokens.ids();
     let batch = EventBatch {
@@ -132,11 +135,12 @@ fn benches(c: &mut Criterion) {
     let system = words(&mut rng, 100 * 1024);
     let prompt = chat(&system, "and then?");
     let tokens = PromptTokens::new(tokenizer.tokens(&prompt).unwrap());
+    let pool = Arc::new(PoolIndex::default());
     let pods: Vec<_> = (0..PODS)
         .map(|i| {
             let cut = system.len() * i / PODS;
             let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")).unwrap());
-            pod_holding(&held, i as u64)
+            pod_holding(&held, i as u64, &pool)
         })
         .collect();
     let chain = tokens.chain(BLOCK_SIZE);
@@ -145,6 +149,36 @@ fn benches(c: &mut Criterion) {
             let total: usize = pods
                 .iter()
                 .map(|p| p.kv.cached_blocks(black_box(&chain)))
+                .sum();
+            black_box(total)
+        })
+    });
+    // What the picker does: each Pod's slots, then one walk of the pool.
+    let now = std::time::Instant::now();
+    let mut by_pod: Vec<usize> = pods.iter().map(|p| p.kv.cached_blocks(&chain)).collect();
+    let slots: Vec<u32> = pods
+        .iter()
+        .flat_map(|p| p.kv.pool_slots(now).unwrap().0)
+        .collect();
+    let mut by_pool: Vec<usize> = pool
+        .leading_blocks(&chain, &slots)
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect();
+    by_pod.sort_unstable();
+    by_pool.sort_unstable();
+    assert_eq!(by_pod, by_pool, "both walks find the same runs");
+    c.bench_function("precise: pool leading_blocks/200 pods", |b| {
+        b.iter(|| {
+            let slots: Vec<u32> = pods
+                .iter()
+                .filter_map(|p| p.kv.pool_slots(now))
+                .flat_map(|(s, _)| s)
+                .collect();
+            let total: usize = pool
+                .leading_blocks(black_box(&chain), &slots)
+                .iter()
+                .map(|(_, n)| n)
                 .sum();
             black_box(total)
         })

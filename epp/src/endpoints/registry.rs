@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio::sync::watch;
 
+use crate::kv_events::pool::PoolIndex;
 use crate::predict::{DestinationConfig, DestinationState};
 
 /// The smallest staleness window [`default_staleness`] hands out: shorter
@@ -189,6 +190,9 @@ pub struct EndpointRegistry {
     synced: AtomicBool,
     /// Endpoint-set generation: bumped on endpoint changes, not on metrics.
     generation: watch::Sender<u64>,
+    /// Which Pods' engines hold each block (precise prefix mode), kept by
+    /// the Pods' own indexes.
+    kv_pool: Arc<PoolIndex>,
 }
 
 impl std::fmt::Debug for EndpointRegistry {
@@ -208,6 +212,7 @@ impl EndpointRegistry {
         Arc::new(Self {
             staleness,
             destinations: DestinationConfig::default(),
+            kv_pool: Arc::default(),
             table: ArcSwap::from_pointee(Table::default()),
             write_lock: Mutex::new(()),
             version: AtomicU64::new(1),
@@ -436,11 +441,17 @@ impl EndpointRegistry {
 }
 
 impl EndpointRegistry {
+    /// Which Pods' engines hold each block, for matching a prompt against
+    /// every Pod at once.
+    pub fn kv_pool(&self) -> &PoolIndex {
+        &self.kv_pool
+    }
+
     fn new_slot(&self, ep: Endpoint) -> Slot {
         Slot {
             endpoint: Arc::new(ep),
             metrics: ArcSwapOption::empty(),
-            state: DestinationState::new(&self.destinations),
+            state: DestinationState::in_pool(&self.destinations, &self.kv_pool),
         }
     }
 

@@ -14,11 +14,12 @@
 //! cache is that size, has most likely evicted them too).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use super::pool::PoolIndex;
 use super::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
 use crate::predict::sync::lock;
 
@@ -106,9 +107,59 @@ struct Engine {
     /// Stored keys, oldest first (may hold keys removed since).
     order: VecDeque<EngineBlock>,
     block_size: Option<u32>,
+    /// The pool's index and this engine's slot in it, which `held` is
+    /// mirrored into.
+    pool: Option<(Arc<PoolIndex>, u32)>,
+}
+
+impl Drop for Engine {
+    /// The engine's bits leave the pool with it, and its slot is freed.
+    fn drop(&mut self) {
+        self.unpool_all();
+        if let Some((pool, slot)) = &self.pool {
+            pool.free_slot(*slot);
+        }
+    }
 }
 
 impl Engine {
+    fn in_pool(pool: Option<&Arc<PoolIndex>>) -> Engine {
+        let mut engine = Engine::default();
+        engine.pool = pool.map(|p| (Arc::clone(p), p.take_slot()));
+        engine
+    }
+
+    fn hold(&mut self, h: u64) {
+        let count = self.held.entry(h).or_default();
+        *count += 1;
+        if *count == 1
+            && let Some((pool, slot)) = &self.pool
+        {
+            pool.add(h, *slot);
+        }
+    }
+
+    fn release(&mut self, h: u64) {
+        let Some(count) = self.held.get_mut(&h) else {
+            return;
+        };
+        *count -= 1;
+        if *count == 0 {
+            self.held.remove(&h);
+            if let Some((pool, slot)) = &self.pool {
+                pool.remove(h, *slot);
+            }
+        }
+    }
+
+    fn unpool_all(&mut self) {
+        if let Some((pool, slot)) = &self.pool {
+            for h in self.held.keys() {
+                pool.remove(*h, *slot);
+            }
+        }
+    }
+
     fn store(&mut self, s: &BlockStored, cap: usize, applied: &mut Applied) {
         let n = s.block_hashes.len();
         let bs = s.block_size as usize;
@@ -142,7 +193,7 @@ impl Engine {
             self.forget(*key);
             self.by_engine.insert(*key, own);
             if let Some(h) = own {
-                *self.held.entry(h).or_default() += 1;
+                self.hold(h);
             }
             self.order.push_back(*key);
             parent = own;
@@ -156,13 +207,8 @@ impl Engine {
         let Some(own) = self.by_engine.remove(&key) else {
             return false;
         };
-        if let Some(h) = own
-            && let Some(count) = self.held.get_mut(&h)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.held.remove(&h);
-            }
+        if let Some(h) = own {
+            self.release(h);
         }
         true
     }
@@ -183,10 +229,10 @@ impl Engine {
     }
 
     fn clear(&mut self) {
-        *self = Engine {
-            block_size: self.block_size,
-            ..Engine::default()
-        };
+        self.unpool_all();
+        self.by_engine.clear();
+        self.held.clear();
+        self.order.clear();
     }
 
     /// Leading blocks of `chain` this engine holds.
@@ -240,6 +286,8 @@ impl Inner {
 /// What one Pod's engines hold.
 pub struct PodKvIndex {
     inner: Mutex<Inner>,
+    /// The pool's index the engines mirror their blocks into, if any.
+    pool: Option<Arc<PoolIndex>>,
 }
 
 impl Default for PodKvIndex {
@@ -251,7 +299,13 @@ impl Default for PodKvIndex {
 impl PodKvIndex {
     /// An empty index of at most `cap` blocks per engine.
     pub fn new(cap: usize) -> Self {
+        PodKvIndex::in_pool(cap, None)
+    }
+
+    /// An empty index whose engines also show their blocks in `pool`.
+    pub fn in_pool(cap: usize, pool: Option<Arc<PoolIndex>>) -> Self {
         PodKvIndex {
+            pool,
             inner: Mutex::new(Inner {
                 engines: HashMap::new(),
                 next_seq: None,
@@ -285,7 +339,11 @@ impl PodKvIndex {
         inner.next_seq = Some(seq.wrapping_add(1));
         inner.awaiting_since = None;
         let cap = inner.cap;
-        let engine = inner.engines.entry(batch.data_parallel_rank).or_default();
+        let pool = self.pool.as_ref();
+        let engine = inner
+            .engines
+            .entry(batch.data_parallel_rank)
+            .or_insert_with(|| Engine::in_pool(pool));
         for event in &batch.events {
             match event {
                 KvEvent::Stored(s) => engine.store(s, cap, &mut applied),
@@ -343,23 +401,22 @@ impl PodKvIndex {
             .find_map(|e| e.block_size)
     }
 
-    /// When the index is usable at `now` (see [`PodKvIndex::usable`]): the
-    /// leading tokens of a prompt held by the Pod, and the block size they
-    /// were counted in. `chain` gives the prompt's chain for a block size.
-    /// One lock for all of it: this runs for every Pod of every request.
-    pub fn cached_tokens(
-        &self,
-        now: Instant,
-        chain: impl FnOnce(u32) -> std::sync::Arc<[u64]>,
-    ) -> Option<(usize, u32)> {
+    /// When the index is usable at `now` and its engines are in the pool:
+    /// their slots, and the block size they publish in (engines of another
+    /// size are left out).
+    pub fn pool_slots(&self, now: Instant) -> Option<(Vec<u32>, u32)> {
         let inner = lock(&self.inner);
         if !inner.usable(now) {
             return None;
         }
         let block_size = inner.engines.values().find_map(|e| e.block_size)?;
-        let chain = chain(block_size);
-        let blocks = inner.cached_blocks(&chain);
-        Some((blocks * block_size as usize, block_size))
+        let slots = inner
+            .engines
+            .values()
+            .filter(|e| e.block_size == Some(block_size))
+            .filter_map(|e| e.pool.as_ref().map(|(_, slot)| *slot))
+            .collect();
+        Some((slots, block_size))
     }
 
     /// Leading blocks of `chain` held by the Pod: the best of its engines
@@ -465,19 +522,58 @@ mod tests {
         assert!(ix.usable(t0 + SILENCE * 2), "events resumed without a gap");
     }
 
+    /// The chain of a prompt of tokens `0..n`, as the pool sees it.
+    fn pool_match(pool: &PoolIndex, ix: &PodKvIndex, n: u32) -> Option<usize> {
+        let (slots, bs) = ix.pool_slots(Instant::now())?;
+        assert_eq!(bs, BS);
+        pool.leading_blocks(&prompt(n), &slots)
+            .into_iter()
+            .map(|(_, blocks)| blocks)
+            .max()
+    }
+
     #[test]
-    fn cached_tokens_count_in_the_published_block_size_only_when_usable() {
-        let ix = PodKvIndex::default();
-        let t0 = Instant::now();
-        let chain = |bs: u32| -> std::sync::Arc<[u64]> {
-            assert_eq!(bs, BS, "chained in the engine's block size");
-            prompt(20).into()
+    fn a_pods_blocks_show_in_the_pool_while_it_holds_them_and_leave_with_it() {
+        let pool = Arc::new(PoolIndex::default());
+        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(&pool)));
+        assert_eq!(ix.pool_slots(Instant::now()), None, "no event yet");
+        ix.apply(0, &batch(vec![stored(&[10, 11, 12], None, 0)]));
+        assert_eq!(pool_match(&pool, &ix, 20), Some(3));
+        ix.apply(1, &batch(vec![removed(&[11])]));
+        assert_eq!(pool_match(&pool, &ix, 20), Some(1));
+        ix.apply(2, &batch(vec![KvEvent::AllCleared]));
+        assert_eq!(pool_match(&pool, &ix, 20), Some(0));
+        ix.apply(3, &batch(vec![stored(&[10, 11], None, 0)]));
+        assert_eq!(pool_match(&pool, &ix, 20), Some(2));
+        // A gap: not usable, so not asked.
+        ix.apply(9, &batch(vec![]));
+        assert_eq!(ix.pool_slots(Instant::now()), None);
+        // A restarted publisher: the old engine and its bits are gone.
+        ix.apply(0, &batch(vec![stored(&[20], None, 0)]));
+        assert_eq!(pool_match(&pool, &ix, 20), Some(1));
+        let (slots, _) = ix.pool_slots(Instant::now()).unwrap();
+        drop(ix);
+        assert_eq!(
+            pool.leading_blocks(&prompt(20), &slots),
+            [(slots[0], 0)],
+            "dropped with its Pod"
+        );
+        assert_eq!(pool.take_slot(), slots[0], "its slot is free again");
+    }
+
+    #[test]
+    fn each_data_parallel_rank_has_its_own_slot() {
+        let pool = Arc::new(PoolIndex::default());
+        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(&pool)));
+        let ranked = |rank, events| EventBatch {
+            data_parallel_rank: Some(rank),
+            ..batch(events)
         };
-        assert_eq!(ix.cached_tokens(t0, chain), None, "no event yet");
-        ix.apply(0, &batch(vec![stored(&[10, 11], None, 0)]));
-        assert_eq!(ix.cached_tokens(t0, chain), Some((2 * BS as usize, BS)));
-        ix.apply(5, &batch(vec![])); // a gap: stale
-        assert_eq!(ix.cached_tokens(t0, chain), None);
+        ix.apply(0, &ranked(0, vec![stored(&[10], None, 0)]));
+        ix.apply(1, &ranked(1, vec![stored(&[20, 21], None, 0)]));
+        let (slots, _) = ix.pool_slots(Instant::now()).unwrap();
+        assert_eq!(slots.len(), 2);
+        assert_eq!(pool_match(&pool, &ix, 20), Some(2), "the best rank");
     }
 
     #[test]

@@ -10,12 +10,15 @@
 //!   and within a budget; [`hf`]: the model's own tokenizer and template.
 //! - [`mismatch`]: each answer's reported token counts against ours;
 //!   [`precise`]: the tokenizer and that check, as the picker holds them.
+//! - [`pool`]: which engines of the pool hold each block, for matching a
+//!   prompt against every Pod in one walk.
 //! - [`index`]: [`PodKvIndex`], one Pod's engines' blocks re-hashed into our
 //!   own token chain, with sequence tracking and bounded memory.
 
 pub mod hf;
 pub mod index;
 pub mod mismatch;
+pub mod pool;
 pub mod precise;
 pub mod subscriber;
 pub mod tokenize;

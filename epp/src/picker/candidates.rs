@@ -9,9 +9,12 @@ use kinference_policy::eval::{
 };
 use kinference_policy::model::Price;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
+use crate::endpoints::EndpointView;
+use crate::kv_events::pool::PoolIndex;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
 use crate::predict::{DestinationState, TtftFeatures};
@@ -56,21 +59,33 @@ impl CandidateSet {
             prefixes: Vec::new(),
         };
         let tokenized = tokens.map(|t| t.ids().len() as u64);
+        let precise = tokens.map_or_else(Vec::new, |t| {
+            precise_cached_tokens(picker.registry.kv_pool(), &snapshot, t, now)
+        });
         // Each endpoint's address is formatted once per request.
         let tokens_per_block = picker.config.block_chars as f64 / 4.0;
         let prompt = request.prompt_tokens as f64;
         let output = request
             .max_tokens
             .unwrap_or(picker.config.default_output_tokens) as f64;
-        for view in snapshot.iter() {
+        for (i, view) in snapshot.iter().enumerate() {
             let address = view.endpoint.address();
             if subset.is_some_and(|s| !in_subset(s, &address)) {
                 continue;
             }
             let ep = &view.endpoint;
             let state = &view.state;
-            let (cached, source, block_size) =
-                cached_prefix_tokens(state, hashes, tokens_per_block, tokens, now);
+            let (cached, source, block_size) = match precise.get(i).copied().flatten() {
+                Some((tokens, bs)) => (tokens as f64, PrefixSource::Events, Some(bs)),
+                None => {
+                    let blocks = state.prefix.cached_blocks(hashes);
+                    (
+                        blocks as f64 * tokens_per_block,
+                        PrefixSource::Estimate,
+                        None,
+                    )
+                }
+            };
             // Each source counts in its own tokens: the engine's, or estimated.
             let cached = match (source, tokenized) {
                 (PrefixSource::Events, Some(ours)) => cached.min(ours as f64),
@@ -240,29 +255,43 @@ impl CandidateSet {
     }
 }
 
-/// The prompt's leading tokens `state`'s Pod holds: from its engines' KV
-/// events when the prompt was tokenized and the Pod's index is usable (live,
-/// and not silent since it was sent a request), else from what was routed
-/// there.
-fn cached_prefix_tokens(
-    state: &DestinationState,
-    hashes: &[u64],
-    tokens_per_block: f64,
-    tokens: Option<&PromptTokens>,
+/// Per Pod of `views`, the prompt's leading tokens its engines hold and the
+/// block size they count in, from their KV events: `None` where its index
+/// is not usable at `now` (no events yet, events lost, or silent since it
+/// was sent a request), so the estimate is used. One walk of the pool's
+/// index per block size, not one per Pod.
+fn precise_cached_tokens(
+    pool: &PoolIndex,
+    views: &[EndpointView],
+    tokens: &PromptTokens,
     now: Instant,
-) -> (f64, PrefixSource, Option<u32>) {
-    let precise = tokens.and_then(|t| state.kv.cached_tokens(now, |bs| t.chain(bs)));
-    match precise {
-        Some((tokens, block_size)) => (tokens as f64, PrefixSource::Events, Some(block_size)),
-        None => {
-            let blocks = state.prefix.cached_blocks(hashes);
-            (
-                blocks as f64 * tokens_per_block,
-                PrefixSource::Estimate,
-                None,
-            )
+) -> Vec<Option<(usize, u32)>> {
+    let slots: Vec<Option<(Vec<u32>, u32)>> =
+        views.iter().map(|v| v.state.kv.pool_slots(now)).collect();
+    let mut out = vec![None; views.len()];
+    let mut sizes: Vec<u32> = slots.iter().flatten().map(|(_, bs)| *bs).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for bs in sizes {
+        let of_size = || {
+            slots
+                .iter()
+                .enumerate()
+                .filter_map(move |(i, s)| s.as_ref().filter(|(_, b)| *b == bs).map(|(s, _)| (i, s)))
+        };
+        let all: Vec<u32> = of_size().flat_map(|(_, s)| s.iter().copied()).collect();
+        let held: HashMap<u32, usize> = pool
+            .leading_blocks(&tokens.chain(bs), &all)
+            .into_iter()
+            .collect();
+        for (i, engines) in of_size() {
+            // The best of the Pod's engines: its server may give the
+            // request to any of its ranks.
+            let blocks = engines.iter().filter_map(|s| held.get(s)).max();
+            out[i] = Some((blocks.copied().unwrap_or(0) * bs as usize, bs));
         }
     }
+    out
 }
 
 /// The subset hint names `ip:port`; a bare IP (the conformance test header)

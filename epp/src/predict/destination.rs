@@ -10,6 +10,8 @@ use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cach
 use super::stats::{DestStats, StatsConfig};
 use super::ttft::EndpointTtft;
 use crate::kv_events::PodKvIndex;
+use crate::kv_events::index::DEFAULT_CAPACITY;
+use crate::kv_events::pool::PoolIndex;
 
 /// How a new destination's state starts.
 #[derive(Debug, Clone, Copy)]
@@ -39,11 +41,21 @@ pub struct DestinationState {
 
 impl DestinationState {
     pub fn new(config: &DestinationConfig) -> Arc<Self> {
+        Self::with_kv(config, PodKvIndex::default())
+    }
+
+    /// A Pod's state, whose KV-event index shows its blocks in `pool`.
+    pub fn in_pool(config: &DestinationConfig, pool: &Arc<PoolIndex>) -> Arc<Self> {
+        let kv = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(pool)));
+        Self::with_kv(config, kv)
+    }
+
+    fn with_kv(config: &DestinationConfig, kv: PodKvIndex) -> Arc<Self> {
         Arc::new(DestinationState {
             stats: Arc::new(DestStats::new(config.stats)),
             prefix: PrefixCache::new(config.prefix_blocks),
             ttft: EndpointTtft::default(),
-            kv: PodKvIndex::default(),
+            kv,
         })
     }
 
