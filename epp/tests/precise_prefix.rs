@@ -100,6 +100,8 @@ struct Pool {
     sims: Vec<LlmdSim>,
     envoy: Envoy,
     http: reqwest::Client,
+    sim_bin: std::path::PathBuf,
+    events_addr: std::net::SocketAddr,
 }
 
 impl Pool {
@@ -162,7 +164,32 @@ impl Pool {
             sims,
             envoy,
             http: reqwest::Client::new(),
+            sim_bin,
+            events_addr,
         }
+    }
+
+    fn state(&self, i: usize) -> std::sync::Arc<kinference_epp::predict::DestinationState> {
+        let addr = self.sims[i].addr.to_string();
+        self.epp.registry().state_at(&addr).unwrap()
+    }
+
+    /// Stops sim `i` and starts a new one on the same IP and port: an
+    /// empty cache, and its events numbered from the start again.
+    async fn restart(&mut self, i: usize) {
+        let old = self.sims.remove(i);
+        let addr = old.addr;
+        old.stop().await;
+        let new = LlmdSim::start(
+            &self.sim_bin,
+            addr.ip(),
+            addr.port(),
+            MODEL,
+            BLOCK_SIZE,
+            self.events_addr,
+        );
+        self.sims
+            .insert(i, new.await.expect("the simulator restarts"));
     }
 
     /// Sends `body` to sim `i` directly, behind the EPP's back, and waits
@@ -247,6 +274,46 @@ async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
     let ranking = &explain[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
     let winner = ranking[0][1].as_str().unwrap_or_default();
     assert!(winner.ends_with(" (events)"), "{ranking}");
+    pool.stop().await;
+}
+
+/// The chain of `body`'s prompt as the EPP computes it.
+fn chain_of(body: &Value) -> std::sync::Arc<[u64]> {
+    let parsed = kinference_epp::extproc::body::parse(body.to_string().as_bytes()).unwrap();
+    let prompt = kinference_epp::kv_events::tokenize::PromptText::of(&parsed);
+    let ids = Tokenizer::simulator_dummy().tokens(&prompt).unwrap();
+    kinference_epp::kv_events::tokenize::PromptTokens::new(ids).chain(BLOCK_SIZE)
+}
+
+#[tokio::test]
+async fn an_engine_restarted_on_the_same_address_is_not_credited_with_its_old_cache() {
+    let mut pool = Pool::start(Tokenizer::simulator_dummy()).await;
+    pool.warm(0, &chat(0, "warm up")).await;
+    let state = pool.state(0);
+    let old = chain_of(&chat(0, "why?"));
+    assert!(state.kv.cached_blocks(&old) > 0);
+
+    pool.restart(0).await;
+    // The new engine publishes once it serves: another prefix, directly.
+    let url = format!("http://{}/v1/chat/completions", pool.sims[0].addr);
+    post(&pool.http, &url, &chat(1, "warm up"), "warm").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.kv.cached_blocks(&old) > 0 || state.kv.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the Pod's index still holds the old engine's cache ({:?})",
+            state.kv.freshness()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(state.kv.freshness(), Freshness::Live);
+    // Round 0's question now finds its prefix nowhere, as the engines say.
+    let (answer, _) = pool.ask(&chat(0, "why?"), "after-restart").await;
+    let reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert_eq!(reported, Some(0), "{answer}");
+    let checks = "kinference_epp_kv_events_checks_total";
+    assert_eq!(sample(&pool.epp, checks, "result", "agree"), 1.0);
+    assert_eq!(sample(&pool.epp, checks, "result", "cached_tokens"), 0.0);
     pool.stop().await;
 }
 
