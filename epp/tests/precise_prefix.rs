@@ -317,24 +317,10 @@ async fn an_engine_restarted_on_the_same_address_is_not_credited_with_its_old_ca
     pool.stop().await;
 }
 
-/// The log lines written while a test runs (this binary's only subscriber).
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn a_tokenizer_that_is_not_the_engines_is_reported() {
-    let logs = Captured::default();
+    // This binary's only subscriber: the warning is logged from any thread.
+    let logs = kinference_testbed::logs::CapturedLogs::default();
     let writer = logs.clone();
     tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
@@ -353,7 +339,7 @@ async fn a_tokenizer_that_is_not_the_engines_is_reported() {
     let checks = "kinference_epp_kv_events_checks_total";
     assert_eq!(sample(epp, checks, "result", "token_count"), 32.0);
     assert_eq!(sample(epp, checks, "result", "agree"), 0.0);
-    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let logs = logs.text();
     let warnings: Vec<&str> = logs
         .lines()
         .filter(|l| l.contains("precise prefix mode disagrees with the engine"))

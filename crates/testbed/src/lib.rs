@@ -9,6 +9,7 @@
 //!   run as a process, and its per-stage reports read back.
 //! - [`llmd_sim`]: llm-d-inference-sim processes, the real KV-event
 //!   publishers of the precise-prefix tests.
+//! - [`logs`]: log lines captured in memory, for tests of what is logged.
 //! - [`peers`]: what `bench/peers/install.sh` caches (peer binaries, Qwen3's
 //!   tokenizer files), found or installed.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
@@ -25,6 +26,7 @@ pub mod http_client;
 pub mod inference_perf;
 pub mod llmd_sim;
 pub mod load;
+pub mod logs;
 pub mod peers;
 pub mod proc_status;
 pub mod prom_reference;

@@ -1073,23 +1073,9 @@ mod tests {
         assert!(router.completed.lock().unwrap().is_empty());
     }
 
-    /// Captures formatted logs, for the span test.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
     #[test]
     fn one_span_per_stream_carries_id_rule_destination_and_outcome() {
-        let logs = Captured::default();
+        let logs = kinference_testbed::logs::CapturedLogs::default();
         let writer = logs.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_writer(move || writer.clone())
@@ -1122,7 +1108,7 @@ mod tests {
                 ],
             ));
         });
-        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let text = logs.text();
         let closed: Vec<&str> = text.lines().filter(|l| l.contains("ext_proc")).collect();
         assert_eq!(closed.len(), 1, "{text}");
         for expected in ["req-42", "rule=", "10.0.0.1:8000", "outcome=200"] {
