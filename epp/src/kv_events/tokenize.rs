@@ -44,10 +44,10 @@ impl PromptText {
 }
 
 /// How prompts are turned into token ids.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Tokenizer {
     /// The model's own: `tokenizer.json` and its chat template.
-    HuggingFace(Arc<HfTokenizer>),
+    HuggingFace(Box<HfTokenizer>),
     /// llm-d-inference-sim's `--force-dummy-tokenizer`: FOR TESTS AGAINST
     /// THAT SIMULATOR ONLY. A chat is rendered `"### <role>: <content>\n"`
     /// per message, tokens are the matches of a fixed pattern (a word or one
@@ -65,7 +65,7 @@ impl Tokenizer {
 
     /// Loads the Hugging Face tokenizer in `dir`.
     pub fn hugging_face(dir: &std::path::Path) -> Result<Tokenizer, LoadError> {
-        Ok(Tokenizer::HuggingFace(Arc::new(HfTokenizer::load(dir)?)))
+        Ok(Tokenizer::HuggingFace(Box::new(HfTokenizer::load(dir)?)))
     }
 
     /// The token ids of `prompt`.
