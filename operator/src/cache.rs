@@ -5,6 +5,7 @@
 //! watches rather than by polling.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
 use gateway_api::apis::standard::gateways::Gateway;
@@ -68,9 +69,52 @@ pub struct Caches {
     pub gateways: Store<PartialObjectMeta<Gateway>>,
     /// None: every namespace is watched.
     pub scope: Option<String>,
+    /// Set once every store has been listed (or the wait for it ran out).
+    pub listed: Arc<tokio::sync::OnceCell<()>>,
 }
 
+/// How long the first reconciles wait for the watches' first lists. A watch
+/// that cannot list (a missing CRD, no permission) must not hold every
+/// reconcile for ever; its store then reads empty, as before.
+const FIRST_LIST_WAIT: Duration = Duration::from_secs(30);
+
 impl Caches {
+    /// Waits, once per process, until every watch has listed its objects.
+    /// A reconcile that ran earlier would see a half-filled cache: an EPP
+    /// Deployment or report not listed yet reads as missing, and a restarted
+    /// operator would write a status it takes back a moment later.
+    pub async fn wait_listed(&self) {
+        self.listed
+            .get_or_init(|| async {
+                let all = async {
+                    futures::try_join!(
+                        self.service_accounts.wait_until_ready(),
+                        self.roles.wait_until_ready(),
+                        self.role_bindings.wait_until_ready(),
+                        self.config_maps.wait_until_ready(),
+                        self.epp_reports.wait_until_ready(),
+                        self.network_policies.wait_until_ready(),
+                        self.services.wait_until_ready(),
+                        self.deployments.wait_until_ready(),
+                        self.pods.wait_until_ready(),
+                        self.inference_pools.wait_until_ready(),
+                        self.http_routes.wait_until_ready(),
+                        self.backend_tls_policies.wait_until_ready(),
+                        self.gateways.wait_until_ready(),
+                    )
+                };
+                match tokio::time::timeout(FIRST_LIST_WAIT, all).await {
+                    Ok(Ok(_)) => tracing::debug!("every watch has listed"),
+                    Ok(Err(e)) => tracing::warn!(error = %e, "a watch stopped before listing"),
+                    Err(_) => tracing::warn!(
+                        wait = ?FIRST_LIST_WAIT,
+                        "not every watch has listed; reconciling with what has arrived"
+                    ),
+                }
+            })
+            .await;
+    }
+
     /// Whether the watches cover objects in `ns`.
     pub fn covers(&self, ns: &str) -> bool {
         self.scope.as_deref().is_none_or(|s| s == ns)
@@ -110,4 +154,74 @@ impl Caches {
 /// reconcile reads them: dropped before they reach a store.
 pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::reflector::{self, store::Writer};
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+
+    /// A store whose watch has listed (InitDone seen), and its writer.
+    fn listed<K>() -> (Store<K>, Writer<K>)
+    where
+        K: Resource<DynamicType = ()> + Clone + 'static,
+    {
+        let (store, mut writer) = reflector::store();
+        writer.apply_watcher_event(&Event::InitDone);
+        (store, writer)
+    }
+
+    #[tokio::test]
+    async fn reconciles_wait_until_every_watch_has_listed() {
+        let (deployments, mut deployments_writer) = reflector::store::<Deployment>();
+        let sa = listed();
+        let roles = listed();
+        let bindings = listed();
+        let cms = listed();
+        let reports = listed();
+        let netpols = listed();
+        let services = listed();
+        let pods = listed();
+        let pools = listed();
+        let routes = listed();
+        let tls = listed();
+        let gateways = listed();
+        let caches = Caches {
+            service_accounts: sa.0,
+            roles: roles.0,
+            role_bindings: bindings.0,
+            config_maps: cms.0,
+            epp_reports: reports.0,
+            network_policies: netpols.0,
+            services: services.0,
+            deployments,
+            pods: pods.0,
+            inference_pools: pools.0,
+            http_routes: routes.0,
+            backend_tls_policies: tls.0,
+            gateways: gateways.0,
+            scope: None,
+            listed: Arc::default(),
+        };
+        let waiting = tokio::spawn({
+            let caches = caches.clone();
+            async move { caches.wait_listed().await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !waiting.is_finished(),
+            "a reconcile ran before the Deployments were listed"
+        );
+        deployments_writer.apply_watcher_event(&Event::InitDone);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("still waiting after every watch listed")
+            .expect("wait task");
+        // Once listed, later reconciles do not wait at all.
+        tokio::time::timeout(Duration::from_millis(1), caches.wait_listed())
+            .await
+            .expect("a second wait");
+    }
 }

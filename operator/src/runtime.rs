@@ -403,6 +403,7 @@ impl Watches {
             backend_tls_policies: self.backend_tls_policies.store.clone(),
             gateways: self.gateways.store.clone(),
             scope: ns.map(str::to_string),
+            listed: Arc::default(),
         }
     }
 

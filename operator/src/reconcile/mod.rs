@@ -131,6 +131,7 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
         ctx.memory.forget(&uid);
         return Ok(Action::await_change());
     }
+    ctx.caches.wait_listed().await;
     let names = Names::of(policy);
     let spec = &policy.spec.policy;
     // The status this process last wrote is newer than the cached one until
