@@ -18,7 +18,10 @@
 //!   `minimize: PredictedTTFT` (our recommended default);
 //! - `gie-queue` / `gie-default`: the Inference Extension's EPP with only its
 //!   queue scorer, and with its default profile (queue + KV + prefix);
-//! - `llmd`: the llm-d scheduler with the `epp-config.yaml` it ships.
+//! - `llmd`: the llm-d scheduler with the `epp-config.yaml` it ships;
+//! - `kinference-precise`: `kinference-ttft` in precise prefix mode, with
+//!   `--simulator llmd` only: the simulators publish their KV-cache events
+//!   to it, and it tokenizes as their dummy tokenizer does.
 //!
 //! Workloads: (a) ~1 KB chats at c16 and c64, (b) 220 KB prompts at c150, both
 //! closed loop against simulators that answer at once (saturation: what is
@@ -30,8 +33,12 @@
 //! prefill, a prefix cache and queueing, restarted empty for each contender;
 //! the same way, (d) small inputs (~150 prompt tokens, 16 output tokens) and
 //! (e) decode-heavy requests (~550 prompt tokens, 512 output tokens), the
-//! cases the peers' critics asked for. `--simulator llmd` runs (c), (d) and
-//! (e) on llm-d-inference-sim instead of ours. (f): the field's own load
+//! cases the peers' critics asked for; (g) the hot-group case, (c) with one
+//! system prompt taking 60% of the traffic. `--simulator llmd` runs (c), (d),
+//! (e) and (g) on llm-d-inference-sim instead of ours, which also reports
+//! each answer's cached prompt tokens (the tables' cache-hit share).
+//! `--reps N` runs every contender N times in turn; the open-loop tables
+//! give medians over reps and each rep's ratio to the reference. (f): the field's own load
 //! generator, `inference-perf`, with its `shared_prefix` generator and
 //! Poisson rate stages, through each contender's Envoy to the same timed
 //! simulators (when `bench/peers/install.sh inference-perf` installed it).
@@ -48,7 +55,7 @@
 //!     --mode smoke --epp-bin target/release/kinference-epp --peers-dir "$(bench/peers/install.sh)"
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -179,6 +186,11 @@ struct Args {
     /// 8,16,24 in full mode).
     #[arg(long, value_delimiter = ',')]
     prefix_rates: Vec<f64>,
+    /// Runs every contender this many times, in turn (rep-major, so that a
+    /// drift of the machine hits all alike); the open-loop tables give
+    /// medians over reps and each rep's ratio to the reference.
+    #[arg(long, default_value_t = 1)]
+    reps: usize,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -217,6 +229,9 @@ struct Contender {
     route: Route,
     /// Policy (ours) or EndpointPickerConfig (peers) text; `None`: its default.
     config: Option<String>,
+    /// Our EPP in precise prefix mode: the simulators publish their KV
+    /// events to it (llm-d-inference-sim only).
+    kv_events: bool,
     what: &'static str,
 }
 
@@ -231,47 +246,63 @@ fn contenders(args: &Args) -> Vec<Contender> {
             name: "direct",
             route: Route::Direct,
             config: None,
+            kv_events: false,
             what: "clients → simulators, round-robin (baseline)",
         },
         Contender {
             name: "envoy-rr",
             route: Route::EnvoyRoundRobin,
             config: None,
+            kv_events: false,
             what: "Envoy round-robin, no ext_proc",
         },
         Contender {
             name: "kinference-queue",
             route: Route::Epp(Peer::Kinference),
             config: Some(QUEUE_POLICY.into()),
+            kv_events: false,
             what: "our EPP, one rule `minimize: QueueDepth`, `tieBreak: Random`",
         },
         Contender {
             name: "gie-queue",
             route: Route::Epp(Peer::Gie),
             config: Some(GIE_QUEUE_CONFIG.into()),
+            kv_events: false,
             what: "reference EPP, queue scorer only",
         },
         Contender {
             name: "kinference-ttft",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
+            kv_events: false,
             what: "our EPP, one rule `minimize: PredictedTTFT` (recommended)",
+        },
+        Contender {
+            name: "kinference-precise",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: true,
+            what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode (the simulators' KV events, their dummy tokenizer)",
         },
         Contender {
             name: "gie-default",
             route: Route::Epp(Peer::Gie),
             config: None,
+            kv_events: false,
             what: "reference EPP, default profile (queue 2 + KV 2 + prefix 3)",
         },
         Contender {
             name: "llmd",
             route: Route::Epp(Peer::Llmd),
             config: llmd_config,
+            kv_events: false,
             what: "llm-d scheduler, its shipped epp-config.yaml",
         },
     ];
     all.into_iter()
         .filter(|c| args.only.is_empty() || args.only.iter().any(|o| o == c.name))
+        // Our simulator publishes no KV events.
+        .filter(|c| !c.kv_events || args.simulator == Simulator::Llmd)
         .collect()
 }
 
@@ -478,7 +509,15 @@ impl Sims {
     /// prompt). Its cache then holds about 4 such prompts where ours holds 2.7:
     /// it also holds the running requests' blocks, and 4 running prompts need
     /// about 950 blocks.
-    async fn start_llmd(bin: &Path, pods: usize, port: u16) -> Result<Sims> {
+    ///
+    /// With `events`, each publishes its KV-cache events there (topic
+    /// `kv@<Pod IP>@<model>`).
+    async fn start_llmd(
+        bin: &Path,
+        pods: usize,
+        port: u16,
+        events: Option<SocketAddr>,
+    ) -> Result<Sims> {
         let mut peers = Vec::with_capacity(pods);
         let mut addrs = Vec::with_capacity(pods);
         for i in 0..pods {
@@ -500,9 +539,13 @@ impl Sims {
                     "--block-size",
                     "16",
                 ])
-                .args(["--force-dummy-tokenizer", "--zmq-endpoint", ""])
+                .arg("--force-dummy-tokenizer")
+                .arg("--zmq-endpoint")
+                .arg(events.map_or(String::new(), |e| format!("tcp://{e}")))
                 .args(["--max-request-body-size-mb", "16", "--seed", &i.to_string()])
                 .env("POD_IP", pod_ip(i).to_string())
+                // Its `x-inference-pod` answer header: who served it.
+                .env("POD_NAME", format!("sim-{i}"))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .kill_on_drop(true)
@@ -618,6 +661,7 @@ fn epp_command(
     config: Option<&Path>,
     kubeconfig: &Path,
     ports: [u16; 3],
+    kv_events: Option<u16>,
 ) -> Command {
     let [grpc, health, metrics] = ports.map(|p| p.to_string());
     let mut cmd = Command::new(binary);
@@ -631,6 +675,10 @@ fn epp_command(
                 .env("RUST_LOG", "info");
             if let Some(c) = config {
                 cmd.arg("--policy-file").arg(c);
+            }
+            if let Some(port) = kv_events {
+                cmd.args(["--kv-events-port", &port.to_string()])
+                    .args(["--kv-events-tokenizer", "simulator-dummy"]);
             }
         }
         Peer::Gie | Peer::Llmd => {
@@ -653,6 +701,7 @@ impl EppProcess {
         config: Option<&str>,
         port: u16,
         kubeconfig: &Path,
+        kv_events: Option<u16>,
     ) -> Result<EppProcess> {
         let dir = scratch_dir()?;
         let config_path = match config {
@@ -665,13 +714,20 @@ impl EppProcess {
         };
         let ports = [free_port()?, free_port()?, free_port()?];
         let log = std::fs::File::create(dir.join("epp.log"))?;
-        let child = epp_command(peer, binary, config_path.as_deref(), kubeconfig, ports)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {}", binary.display()))?;
+        let child = epp_command(
+            peer,
+            binary,
+            config_path.as_deref(),
+            kubeconfig,
+            ports,
+            kv_events,
+        )
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
         let pid = child.id().context("the EPP exited at once")?;
         Ok(EppProcess {
             child,
@@ -750,8 +806,14 @@ async fn send(http: &HttpClient, url: &str, body: &Arc<Vec<u8>>) -> Result<Answe
 struct Outcomes {
     tally: Tally,
     first_bytes: Vec<Duration>,
-    /// `x-sim-server` → requests.
+    /// Simulator → requests.
     served: BTreeMap<String, u64>,
+    /// Shared-prefix group → the simulators that served it.
+    group_servers: BTreeMap<usize, BTreeSet<String>>,
+    /// Prompt tokens of the answers that reported usage, and how many of
+    /// them the simulators had cached.
+    prompt_tokens: u64,
+    cached_tokens: u64,
 }
 
 impl Outcome for Outcomes {
@@ -765,19 +827,49 @@ impl Outcome for Outcomes {
         for (k, v) in other.served {
             *self.served.entry(k).or_default() += v;
         }
+        for (g, servers) in other.group_servers {
+            self.group_servers.entry(g).or_default().extend(servers);
+        }
+        self.prompt_tokens += other.prompt_tokens;
+        self.cached_tokens += other.cached_tokens;
     }
 }
 
 impl Outcomes {
-    fn record(&mut self, result: Result<Answer>, latency: Duration) {
+    /// One answer; `group` is its shared-prefix group, if it has one.
+    fn record(&mut self, result: Result<Answer>, latency: Duration, group: Option<usize>) {
         match result {
             Ok(a) => {
                 self.tally.latencies.push(latency);
                 self.first_bytes.push(a.first_byte);
+                if let Some(u) = a.usage {
+                    self.prompt_tokens += u.prompt_tokens;
+                    self.cached_tokens += u.cached_tokens;
+                }
+                if let Some(g) = group {
+                    self.group_servers
+                        .entry(g)
+                        .or_default()
+                        .insert(a.server.clone());
+                }
                 *self.served.entry(a.server).or_default() += 1;
             }
             Err(e) => self.tally.error(e),
         }
+    }
+
+    /// The share of prompt tokens the simulators reported cached, when
+    /// they report usage.
+    fn cache_hit_share(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
+    }
+
+    /// How many simulators served each shared-prefix group, on average:
+    /// 1 keeps every group's prefix in one cache.
+    fn pods_per_group(&self) -> Option<f64> {
+        let groups = self.group_servers.len();
+        let pods: usize = self.group_servers.values().map(BTreeSet::len).sum();
+        (groups > 0).then(|| pods as f64 / groups as f64)
     }
 }
 
@@ -835,7 +927,7 @@ async fn closed_loop(
                 let result = send(&http, target.url(id), &body).await;
                 if measured {
                     phase.completed();
-                    out.record(result, started.elapsed());
+                    out.record(result, started.elapsed(), None);
                 }
             }
             out
@@ -867,7 +959,7 @@ fn finish(out: Outcomes, window: Window<GROUPS>, pids: Pids, envoy_before: Durat
 async fn open_loop(
     http: &HttpClient,
     target: &Target,
-    bodies: &BodySet,
+    requests: &GroupRequests,
     rate: f64,
     duration: Duration,
     pids: Pids,
@@ -889,13 +981,13 @@ async fn open_loop(
         at += arrivals.next_gap();
         tokio::time::sleep_until(start + at).await;
         let (http, target, phase) = (http.clone(), target.clone(), phase.clone());
-        let body = bodies[id as usize % bodies.len()].clone();
+        let (group, body) = requests[id as usize % requests.len()].clone();
         tasks.push(tokio::spawn(async move {
             let mut out = Outcomes::default();
             let started = Instant::now();
             let result = send(&http, target.url(id), &body).await;
             phase.completed();
-            out.record(result, started.elapsed());
+            out.record(result, started.elapsed(), Some(group));
             out
         }));
     }
@@ -938,7 +1030,7 @@ struct Plan {
     large_warmup: u64,
     /// (c), (d), (e) in the order of [`OPEN_WORKLOADS`]: Poisson rates
     /// (req/s), and how long each rate lasts.
-    open_rates: [Vec<f64>; 3],
+    open_rates: [Vec<f64>; OPEN],
     open_stage: Duration,
     /// How long each of (f)'s rates lasts (the rates are (c)'s).
     inference_perf_stage: Duration,
@@ -960,7 +1052,7 @@ impl Plan {
                 chat_warmup: 10,
                 large_requests: 20,
                 large_warmup: 5,
-                open_rates: [vec![4.0], vec![20.0], vec![2.0]],
+                open_rates: [vec![4.0], vec![20.0], vec![2.0], vec![4.0]],
                 open_stage: Duration::from_secs(2),
                 inference_perf_stage: Duration::from_secs(3),
                 max_time: Duration::from_secs(30),
@@ -981,6 +1073,8 @@ impl Plan {
                     // About 2.7 s a request (2.56 s of decode) on 16 slots:
                     // saturation near 6/s.
                     vec![2.0, 4.0, 6.0],
+                    // (c)'s middle rate.
+                    vec![16.0],
                 ],
                 open_stage: Duration::from_secs(12),
                 inference_perf_stage: Duration::from_secs(20),
@@ -1032,6 +1126,13 @@ const DECODE_SHAPE: SharedPrefix = SharedPrefix {
     hot_share: 0.0,
 };
 
+/// (g): the hot-group case: (c) with one system prompt taking 60% of the
+/// traffic, at one rate.
+const HOT_SHAPE: SharedPrefix = SharedPrefix {
+    hot_share: 0.6,
+    ..PREFIX_SHAPE
+};
+
 /// An open-loop workload against the timed simulators.
 #[derive(Clone, Copy)]
 struct OpenWorkload {
@@ -1042,8 +1143,12 @@ struct OpenWorkload {
     shape: SharedPrefix,
 }
 
-/// (c), (d), (e): routing quality, small inputs, decode-heavy outputs.
-const OPEN_WORKLOADS: [OpenWorkload; 3] = [
+/// How many open-loop workloads there are.
+const OPEN: usize = 4;
+
+/// (c), (d), (e), (g): routing quality, small inputs, decode-heavy outputs,
+/// one hot group.
+const OPEN_WORKLOADS: [OpenWorkload; OPEN] = [
     OpenWorkload {
         label: "(c) shared prefix",
         name: "prefix",
@@ -1059,6 +1164,11 @@ const OPEN_WORKLOADS: [OpenWorkload; 3] = [
         name: "decode",
         shape: DECODE_SHAPE,
     },
+    OpenWorkload {
+        label: "(g) hot group",
+        name: "hot",
+        shape: HOT_SHAPE,
+    },
 ];
 
 /// (f): inference-perf's `shared_prefix` at (c)'s rates.
@@ -1072,6 +1182,9 @@ fn is_open_phase(phase: &str) -> bool {
 /// Request bodies, shared by the clients and sent in turn.
 type BodySet = Arc<Vec<Arc<Vec<u8>>>>;
 
+/// Shared-prefix requests and their groups, sent in turn.
+type GroupRequests = Arc<Vec<(usize, Arc<Vec<u8>>)>>;
+
 /// A closed-loop phase: its name in the report, its size, its bodies.
 type ClosedPhase<'a> = (String, PhaseSpec, &'a BodySet);
 
@@ -1079,7 +1192,7 @@ struct Bodies {
     chat: BodySet,
     large: BodySet,
     /// In the order of [`OPEN_WORKLOADS`].
-    open: [BodySet; 3],
+    open: [GroupRequests; OPEN],
 }
 
 fn shared(bodies: Vec<Vec<u8>>) -> BodySet {
@@ -1091,7 +1204,15 @@ impl Bodies {
         Bodies {
             chat: shared(workload::short_chat(MODEL, 1_024)),
             large: shared(workload::large_prompts(MODEL, 64, 220_000)),
-            open: OPEN_WORKLOADS.map(|w| shared(workload::shared_prefix(MODEL, &w.shape, 4_096))),
+            open: OPEN_WORKLOADS.map(|w| {
+                let requests = workload::shared_prefix(MODEL, &w.shape, 4_096);
+                Arc::new(
+                    requests
+                        .into_iter()
+                        .map(|r| (r.group, Arc::new(r.body)))
+                        .collect(),
+                )
+            }),
         }
     }
 }
@@ -1104,33 +1225,72 @@ struct Row {
     /// Our EPP in the open-loop phases: the share of its TTFT predictions
     /// within 25% of the observed TTFT, over the phase.
     predictions_within_25: Option<f64>,
+    /// Our EPP in precise mode: the share of answers whose reported cached
+    /// tokens agreed with its index.
+    events_agree: Option<f64>,
 }
 
-/// Our EPP's TTFT predictions so far from its `/metrics`: (within 25% of
-/// the observed TTFT, all), both directions together.
-async fn prediction_errors(http: &HttpClient, epp: Option<&EppProcess>) -> Option<(f64, f64)> {
+/// Our EPP's counts so far from its `/metrics`.
+#[derive(Clone, Copy, Default)]
+struct Predictions {
+    /// TTFT predictions within 25% of the observed TTFT, and all of them.
+    ttft_within_25: f64,
+    ttft: f64,
+    /// Precise mode: answers whose reported cached tokens agreed with the
+    /// index, and all answers checked.
+    events_agree: f64,
+    events_checked: f64,
+}
+
+impl Predictions {
+    /// The shares over a phase, from the counts before and after it.
+    fn shares(before: Predictions, after: Predictions) -> (Option<f64>, Option<f64>) {
+        let share = |part: f64, all: f64| (all > 0.0).then(|| part / all);
+        (
+            share(
+                after.ttft_within_25 - before.ttft_within_25,
+                after.ttft - before.ttft,
+            ),
+            share(
+                after.events_agree - before.events_agree,
+                after.events_checked - before.events_checked,
+            ),
+        )
+    }
+}
+
+async fn predictions(http: &HttpClient, epp: Option<&EppProcess>) -> Option<Predictions> {
     let epp = epp.filter(|e| e.peer == Peer::Kinference)?;
     let text = http
         .get_text(&format!("http://{}/metrics", epp.metrics))
         .await
         .ok()?;
-    let (mut within, mut all) = (0.0, 0.0);
+    let mut p = Predictions::default();
     let samples = text.lines().filter_map(|l| parse_line(l).ok().flatten());
     for s in samples {
-        let le = s
-            .labels
-            .iter()
-            .find(|(k, _)| k == "le")
-            .map(|(_, v)| v.as_str());
-        match (s.name.as_str(), le) {
-            ("kinference_epp_ttft_prediction_relative_error_bucket", Some("0.25")) => {
-                within += s.value
+        let label = |name: &str| {
+            s.labels
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        match s.name.as_str() {
+            "kinference_epp_ttft_prediction_relative_error_bucket"
+                if label("le") == Some("0.25") =>
+            {
+                p.ttft_within_25 += s.value
             }
-            ("kinference_epp_ttft_prediction_relative_error_count", None) => all += s.value,
+            "kinference_epp_ttft_prediction_relative_error_count" => p.ttft += s.value,
+            "kinference_epp_kv_events_checks_total" => {
+                p.events_checked += s.value;
+                if label("result") == Some("agree") {
+                    p.events_agree += s.value;
+                }
+            }
             _ => {}
         }
     }
-    Some((within, all))
+    Some(p)
 }
 
 /// Everything one contender measured.
@@ -1160,6 +1320,8 @@ struct Bench {
     binaries: Binaries,
     kubeconfig: PathBuf,
     port: u16,
+    /// Where our EPP in precise mode takes the simulators' KV events.
+    events_port: u16,
     bodies: Bodies,
     http: HttpClient,
     load_rt: tokio::runtime::Runtime,
@@ -1229,6 +1391,7 @@ impl Bench {
                     contender.config.as_deref(),
                     self.port,
                     &self.kubeconfig,
+                    contender.kv_events.then_some(self.events_port),
                 )
                 .await?;
                 let b = self.bootstrap(Template::Streamed, epp.grpc, sims.to_vec());
@@ -1323,12 +1486,21 @@ impl Bench {
 
     /// Timed simulators, started empty for this contender, the same as (c)'s;
     /// the rate ladder of (c).
-    async fn start_timed_sims(&self) -> Result<Sims> {
+    async fn start_timed_sims(&self, contender: &Contender) -> Result<Sims> {
         match &self.binaries.llmd_sim {
             Some(bin) if self.args.simulator == Simulator::Llmd => {
-                Sims::start_llmd(bin, self.args.pods, self.port).await
+                let events = contender
+                    .kv_events
+                    .then(|| SocketAddr::from(([127, 0, 0, 1], self.events_port)));
+                Sims::start_llmd(bin, self.args.pods, self.port, events).await
             }
-            _ => Sims::start(self.args.pods, self.port, SimShape::Timed).await,
+            _ => {
+                ensure!(
+                    !contender.kv_events,
+                    "precise prefix mode needs KV events: --simulator llmd"
+                );
+                Sims::start(self.args.pods, self.port, SimShape::Timed).await
+            }
         }
     }
 
@@ -1338,7 +1510,7 @@ impl Bench {
             .inference_perf
             .as_ref()
             .context("not installed")?;
-        let sims = self.sim_rt.block_on(self.start_timed_sims())?;
+        let sims = self.sim_rt.block_on(self.start_timed_sims(contender))?;
         let dir = scratch_dir()?.join(format!("inference-perf-{}", contender.name));
         std::fs::create_dir_all(&dir)?;
         let result = self.load_rt.block_on(async {
@@ -1420,6 +1592,7 @@ impl Bench {
                     phase,
                     m,
                     predictions_within_25: None,
+                    events_agree: None,
                 });
             }
             lane.stop().await;
@@ -1449,11 +1622,11 @@ impl Bench {
         report: &mut Report,
     ) -> Result<()> {
         let workload = OPEN_WORKLOADS[i];
-        let sims = self.sim_rt.block_on(self.start_timed_sims())?;
+        let sims = self.sim_rt.block_on(self.start_timed_sims(contender))?;
         let result = self.load_rt.block_on(async {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.open_rates[i] {
-                let before = prediction_errors(&self.http, path.epp.as_ref()).await;
+                let before = predictions(&self.http, path.epp.as_ref()).await;
                 let m = open_loop(
                     &self.http,
                     &path.target,
@@ -1463,11 +1636,10 @@ impl Bench {
                     path.pids(),
                 )
                 .await;
-                let after = prediction_errors(&self.http, path.epp.as_ref()).await;
-                let predictions_within_25 = before.zip(after).and_then(|(b, a)| {
-                    let all = a.1 - b.1;
-                    (all > 0.0).then(|| (a.0 - b.0) / all)
-                });
+                let after = predictions(&self.http, path.epp.as_ref()).await;
+                let (predictions_within_25, events_agree) = before
+                    .zip(after)
+                    .map_or((None, None), |(b, a)| Predictions::shares(b, a));
                 let phase = format!("{} {rate:.0}/s", workload.label);
                 eprintln!("[peers] {} {phase}: {}", contender.name, brief(&m));
                 report.rows.push(Row {
@@ -1475,6 +1647,7 @@ impl Bench {
                     phase,
                     m,
                     predictions_within_25,
+                    events_agree,
                 });
             }
             path.stop().await;
@@ -1632,42 +1805,115 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         shape.output_tokens
     );
     println!(
-        "| rate | contender | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 vs envoy-rr | latency p50 ms | EPP CPU µs/req | TTFT predictions within 25% | errors | served by sim |"
+        "Medians over reps; \"÷ gie-default\" is each rep's TTFT p90 over the reference's in the same rep: median (worst). Cache hit = prompt tokens the simulators reported cached; Pods/group = simulators that served each system prompt.\n"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!(
+        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | served by sim (rep 1) |"
+    );
+    println!(
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+    );
     for phase in &phases {
         let rows: Vec<&Row> = reports
             .iter()
             .flat_map(|r| &r.rows)
             .filter(|r| &r.phase == phase)
             .collect();
-        let rr_p90 = rows
-            .iter()
-            .find(|r| r.contender == "envoy-rr")
-            .map(|r| ttft(&r.m, 0.9));
-        for row in rows {
-            let m = &row.m;
-            let p90 = ttft(m, 0.9);
+        let mut names: Vec<&str> = Vec::new();
+        for r in &rows {
+            if !names.contains(&r.contender) {
+                names.push(r.contender);
+            }
+        }
+        let reps_of = |name: &str| -> Vec<&Row> {
+            rows.iter()
+                .copied()
+                .filter(|r| r.contender == name)
+                .collect()
+        };
+        let p90s =
+            |name: &str| -> Vec<f64> { reps_of(name).iter().map(|r| ttft(&r.m, 0.9)).collect() };
+        let (reference, rr) = (p90s("gie-default"), p90s("envoy-rr"));
+        for name in names {
+            let reps = reps_of(name);
+            let of = |f: &dyn Fn(&Row) -> Option<f64>| {
+                median(reps.iter().filter_map(|r| f(r)).collect())
+            };
+            let p90 = p90s(name);
+            let fmt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".to_string(), f);
+            let first = reps[0];
             println!(
-                "| {} | {} | {} | {:.1} | {:.0} | {p90:.0} | {:.0} | {} | {:.0} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 phase.trim_start_matches(w.label).trim(),
-                row.contender,
-                m.measured(),
-                m.rps(),
-                ttft(m, 0.5),
-                ttft(m, 0.99),
-                rr_p90.map_or("-".into(), |b| ratio(p90, b)),
-                m.q(0.5),
-                m.epp_rss.map_or("-".to_string(), |_| format!(
-                    "{:.0}",
-                    per_request_us(m.epp_cpu, m.measured())
+                reps.len(),
+                fmt(of(&|r| Some(r.m.measured() as f64)), &|v| format!("{v:.0}")),
+                fmt(of(&|r| Some(r.m.rps())), &|v| format!("{v:.1}")),
+                fmt(of(&|r| Some(ttft(&r.m, 0.5))), &|v| format!("{v:.0}")),
+                fmt(median(p90.clone()), &|v| format!("{v:.0}")),
+                fmt(of(&|r| Some(ttft(&r.m, 0.99))), &|v| format!("{v:.0}")),
+                range(&p90),
+                rep_ratios(&p90, &reference),
+                rep_ratios(&p90, &rr),
+                fmt(of(&|r| r.m.out.cache_hit_share()), &|v| format!(
+                    "{:.0}%",
+                    v * 100.0
                 )),
-                row.predictions_within_25
-                    .map_or("-".to_string(), |s| format!("{:.0}%", s * 100.0)),
-                m.out.tally.errors,
-                served(m),
+                fmt(of(&|r| r.m.out.pods_per_group()), &|v| format!("{v:.2}")),
+                fmt(of(&|r| r.predictions_within_25), &|v| format!(
+                    "{:.0}%",
+                    v * 100.0
+                )),
+                fmt(of(&|r| r.events_agree), &|v| format!("{:.0}%", v * 100.0)),
+                fmt(
+                    of(&|r| r
+                        .m
+                        .epp_rss
+                        .map(|_| per_request_us(r.m.epp_cpu, r.m.measured()))),
+                    &|v| format!("{v:.0}")
+                ),
+                reps.iter().map(|r| r.m.out.tally.errors).sum::<u64>(),
+                served(&first.m),
             );
         }
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(values[n / 2]),
+        _ => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+    }
+}
+
+/// `min–max` of `values`, or the one value.
+fn range(values: &[f64]) -> String {
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    match values.len() {
+        0 => "-".into(),
+        1 => format!("{min:.0}"),
+        _ => format!("{min:.0}–{max:.0}"),
+    }
+}
+
+/// Rep by rep, `ours[i] / theirs[i]`: the median and the worst (highest),
+/// as `0.52× (0.61×)`.
+fn rep_ratios(ours: &[f64], theirs: &[f64]) -> String {
+    let ratios: Vec<f64> = ours
+        .iter()
+        .zip(theirs)
+        .filter(|(_, t)| **t > 0.005)
+        .map(|(o, t)| o / t)
+        .collect();
+    let worst = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    match median(ratios.clone()) {
+        None => "-".into(),
+        Some(m) if ratios.len() == 1 => format!("{m:.2}×"),
+        Some(m) => format!("{m:.2}× ({worst:.2}×)"),
     }
 }
 
@@ -1857,6 +2103,7 @@ fn main() -> Result<()> {
         binaries,
         kubeconfig: cluster.kubeconfig_path().to_path_buf(),
         port,
+        events_port: free_port()?,
         bodies: Bodies::new(),
         http,
         load_rt,
@@ -1864,11 +2111,16 @@ fn main() -> Result<()> {
         args,
     };
     let mut reports = Vec::new();
-    for contender in contenders(&bench.args) {
-        eprintln!("[peers] {}: {}", contender.name, contender.what);
-        reports.push(bench.run_contender(&contender));
+    let contenders = contenders(&bench.args);
+    for rep in 1..=bench.args.reps.max(1) {
+        for contender in &contenders {
+            eprintln!("[peers] rep {rep}: {}: {}", contender.name, contender.what);
+            reports.push(bench.run_contender(contender));
+        }
     }
     drop(cluster);
+    // The closed-loop tables and the summary are of the first rep.
+    let first_rep = &reports[..contenders.len()];
 
     println!(
         "### Side by side ({:?}): {} Pods, Envoy {} ({} workers, `Template::Streamed`, plaintext ext_proc), {} cores",
@@ -1883,10 +2135,10 @@ fn main() -> Result<()> {
         cpu::loadavg(),
         started.elapsed().as_secs_f64()
     );
-    print_closed_tables(&reports);
+    print_closed_tables(first_rep);
     print_open_tables(&reports);
-    print_inference_perf_table(&reports, bench.plan.inference_perf_stage);
-    print_summary(&reports, bench.args.pods);
+    print_inference_perf_table(first_rep, bench.plan.inference_perf_stage);
+    print_summary(first_rep, bench.args.pods);
     let failed: Vec<&str> = reports
         .iter()
         .filter(|r| r.skipped.is_some())

@@ -48,12 +48,17 @@ pub fn chat_body(model: &str, system: &str, user: &str, max_tokens: u32, stream:
         messages.push(json!({ "role": "system", "content": system }));
     }
     messages.push(json!({ "role": "user", "content": user }));
-    let body = json!({
+    let mut body = json!({
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "stream": stream,
     });
+    if stream {
+        // So that a streamed answer ends with its usage, cached tokens
+        // included, as a non-streamed one does.
+        body["stream_options"] = json!({ "include_usage": true });
+    }
     serde_json::to_vec(&body).expect("a JSON value serialises")
 }
 
@@ -102,9 +107,17 @@ pub struct SharedPrefix {
     pub hot_share: f64,
 }
 
+/// One request of a shared-prefix workload.
+#[derive(Clone, Debug)]
+pub struct GroupRequest {
+    /// Which system prompt it starts with.
+    pub group: usize,
+    pub body: Vec<u8>,
+}
+
 /// `count` requests of the shared-prefix workload `shape` (streamed, so a
 /// client can time the first token), in a fixed pseudo-random order.
-pub fn shared_prefix(model: &str, shape: &SharedPrefix, count: usize) -> Vec<Vec<u8>> {
+pub fn shared_prefix(model: &str, shape: &SharedPrefix, count: usize) -> Vec<GroupRequest> {
     let systems: Vec<String> = (0..shape.groups.max(1))
         .map(|g| {
             format!(
@@ -133,7 +146,10 @@ pub fn shared_prefix(model: &str, shape: &SharedPrefix, count: usize) -> Vec<Vec
                 "Question {q} of group {group}: {}",
                 text_of_size(90_000 + q * 31 + group as u64, shape.question_bytes)
             );
-            chat_body(model, &systems[group], &question, shape.output_tokens, true)
+            GroupRequest {
+                group,
+                body: chat_body(model, &systems[group], &question, shape.output_tokens, true),
+            }
         })
         .collect()
 }
@@ -173,18 +189,17 @@ mod tests {
             output_tokens: 4,
             hot_share: 0.5,
         };
-        let bodies = shared_prefix("m", &shape, 1_000);
-        let hot = bodies
-            .iter()
-            .filter(|b| {
-                json(b)["messages"][0]["content"]
-                    .as_str()
-                    .unwrap()
-                    .starts_with("System prompt 0.")
-            })
-            .count();
+        let requests = shared_prefix("m", &shape, 1_000);
+        for r in &requests {
+            let system = json(&r.body)["messages"][0]["content"].clone();
+            let prefix = format!("System prompt {}.", r.group);
+            assert!(system.as_str().unwrap().starts_with(&prefix), "{system}");
+        }
+        let hot = requests.iter().filter(|r| r.group == 0).count();
         // Half by the hot share, plus its 1/8 of the rest.
         assert!((500..640).contains(&hot), "{hot}");
-        assert_eq!(json(&bodies[0])["stream"], true);
+        let first = json(&requests[0].body);
+        assert_eq!(first["stream"], true);
+        assert_eq!(first["stream_options"]["include_usage"], true);
     }
 }
