@@ -2,8 +2,8 @@
 //! back to, on the same prompts: tokenizing and chaining a 7 KB and a
 //! 220 KB chat (with the `simulator-dummy` tokenizer, and with Qwen3's own
 //! tokenizer and chat template: `bench/peers/install.sh qwen3-tokenizer`),
-//! and matching a chain against 200 Pods' KV-event indexes, each Pod's own
-//! and the pool's index (what the picker walks). The text is
+//! and matching a chain against 200 Pods' KV-event indexes: one pool's
+//! index (what the picker walks), and a pool per Pod walked one by one. The text is
 //! random letters, so a real tokenizer's word cache rarely hits: an upper
 //! bound for prose.
 //! `cargo bench -p kinference-epp --bench kv_events`
@@ -135,27 +135,37 @@ fn benches(c: &mut Criterion) {
     let system = words(&mut rng, 100 * 1024);
     let prompt = chat(&system, "and then?");
     let tokens = PromptTokens::new(tokenizer.tokens(&prompt).unwrap());
+    // The same Pods twice: all in one pool (what the picker walks), and
+    // each in a pool of its own, walked one by one (what a per-Pod index
+    // costs).
     let pool = Arc::new(PoolIndex::default());
-    let pods: Vec<_> = (0..PODS)
-        .map(|i| {
-            let cut = system.len() * i / PODS;
-            let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")).unwrap());
-            pod_holding(&held, i as u64, &pool)
-        })
-        .collect();
+    let mut pods = Vec::with_capacity(PODS);
+    let mut alone = Vec::with_capacity(PODS);
+    for i in 0..PODS {
+        let cut = system.len() * i / PODS;
+        let held = PromptTokens::new(tokenizer.tokens(&chat(&system[..cut], "")).unwrap());
+        pods.push(pod_holding(&held, i as u64, &pool));
+        let own = Arc::new(PoolIndex::default());
+        alone.push((pod_holding(&held, i as u64, &own), own));
+    }
     let chain = tokens.chain(BLOCK_SIZE);
-    c.bench_function("precise: cached_blocks/200 pods", |b| {
-        b.iter(|| {
-            let total: usize = pods
-                .iter()
-                .map(|p| p.kv.cached_blocks(black_box(&chain)))
-                .sum();
-            black_box(total)
-        })
-    });
-    // What the picker does: each Pod's slots, then one walk of the pool.
     let now = std::time::Instant::now();
-    let mut by_pod: Vec<usize> = pods.iter().map(|p| p.kv.cached_blocks(&chain)).collect();
+    let walk_each = |chain: &[u64]| -> Vec<usize> {
+        alone
+            .iter()
+            .map(|(p, own)| {
+                let (slots, _) = p.kv.pool_slots(now).unwrap();
+                own.leading_blocks(chain, &slots)
+                    .iter()
+                    .map(|(_, n)| *n)
+                    .sum()
+            })
+            .collect()
+    };
+    c.bench_function("precise: a pool per Pod, walked one by one/200 pods", |b| {
+        b.iter(|| black_box(walk_each(black_box(&chain)).iter().sum::<usize>()))
+    });
+    let mut by_pod = walk_each(&chain);
     let slots: Vec<u32> = pods
         .iter()
         .flat_map(|p| p.kv.pool_slots(now).unwrap().0)

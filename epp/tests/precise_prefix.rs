@@ -174,6 +174,14 @@ impl Pool {
         self.epp.registry().state_at(&addr).unwrap()
     }
 
+    /// Leading blocks of `chain` Pod `i`'s engines hold, as the picker sees
+    /// them in the pool's index; `None` while its index is not usable.
+    fn cached_blocks(&self, i: usize, chain: &[u64]) -> Option<usize> {
+        let (slots, _) = self.state(i).kv.pool_slots(Instant::now())?;
+        let held = self.epp.registry().kv_pool().leading_blocks(chain, &slots);
+        held.into_iter().map(|(_, blocks)| blocks).max()
+    }
+
     /// Stops sim `i` and starts a new one on the same IP and port: an
     /// empty cache, and its events numbered from the start again.
     async fn restart(&mut self, i: usize) {
@@ -289,16 +297,16 @@ fn chain_of(body: &Value) -> std::sync::Arc<[u64]> {
 async fn an_engine_restarted_on_the_same_address_is_not_credited_with_its_old_cache() {
     let mut pool = Pool::start(Tokenizer::simulator_dummy()).await;
     pool.warm(0, &chat(0, "warm up")).await;
-    let state = pool.state(0);
     let old = chain_of(&chat(0, "why?"));
-    assert!(state.kv.cached_blocks(&old) > 0);
+    assert!(pool.cached_blocks(0, &old) > Some(0));
 
     pool.restart(0).await;
     // The new engine publishes once it serves: another prefix, directly.
     let url = format!("http://{}/v1/chat/completions", pool.sims[0].addr);
     post(&pool.http, &url, &chat(1, "warm up"), "warm").await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while state.kv.cached_blocks(&old) > 0 || state.kv.is_empty() {
+    let state = pool.state(0);
+    while pool.cached_blocks(0, &old) != Some(0) || state.kv.is_empty() {
         assert!(
             Instant::now() < deadline,
             "the Pod's index still holds the old engine's cache ({:?})",

@@ -97,8 +97,8 @@ pub struct Applied {
     pub became_stale: bool,
 }
 
-/// One engine (one data-parallel rank of a Pod).
-#[derive(Default)]
+/// One engine (one data-parallel rank of a Pod), with its own event
+/// sequence: vLLM numbers each rank's batches separately.
 struct Engine {
     /// The engine's key → our chain hash; `None`: known but not matchable.
     by_engine: HashMap<EngineBlock, Option<u64>>,
@@ -107,35 +107,44 @@ struct Engine {
     /// Stored keys, oldest first (may hold keys removed since).
     order: VecDeque<EngineBlock>,
     block_size: Option<u32>,
-    /// The pool's index and this engine's slot in it, which `held` is
-    /// mirrored into.
-    pool: Option<(Arc<PoolIndex>, u32)>,
+    /// The sequence number the next batch should have.
+    next_seq: u64,
+    /// Batches were lost (a gap with no replay): what `held` says may be
+    /// wrong until the engine clears its cache.
+    stale: bool,
+    /// The pool's index `held` is mirrored into, and this engine's slot.
+    pool: Arc<PoolIndex>,
+    slot: u32,
 }
 
 impl Drop for Engine {
     /// The engine's bits leave the pool with it, and its slot is freed.
     fn drop(&mut self) {
         self.unpool_all();
-        if let Some((pool, slot)) = &self.pool {
-            pool.free_slot(*slot);
-        }
+        self.pool.free_slot(self.slot);
     }
 }
 
 impl Engine {
-    fn in_pool(pool: Option<&Arc<PoolIndex>>) -> Engine {
-        let mut engine = Engine::default();
-        engine.pool = pool.map(|p| (Arc::clone(p), p.take_slot()));
-        engine
+    /// An engine whose first batch is `seq`.
+    fn new(pool: &Arc<PoolIndex>, seq: u64) -> Engine {
+        Engine {
+            by_engine: HashMap::new(),
+            held: HashMap::new(),
+            order: VecDeque::new(),
+            block_size: None,
+            next_seq: seq,
+            stale: false,
+            pool: Arc::clone(pool),
+            slot: pool.take_slot(),
+        }
     }
 
     fn hold(&mut self, h: u64) {
         let count = self.held.entry(h).or_default();
         *count += 1;
-        if *count == 1
-            && let Some((pool, slot)) = &self.pool
-        {
-            pool.add(h, *slot);
+        if *count == 1 {
+            self.pool.add(h, self.slot);
         }
     }
 
@@ -146,17 +155,13 @@ impl Engine {
         *count -= 1;
         if *count == 0 {
             self.held.remove(&h);
-            if let Some((pool, slot)) = &self.pool {
-                pool.remove(h, *slot);
-            }
+            self.pool.remove(h, self.slot);
         }
     }
 
     fn unpool_all(&mut self) {
-        if let Some((pool, slot)) = &self.pool {
-            for h in self.held.keys() {
-                pool.remove(*h, *slot);
-            }
+        for h in self.held.keys() {
+            self.pool.remove(*h, self.slot);
         }
     }
 
@@ -234,14 +239,6 @@ impl Engine {
         self.held.clear();
         self.order.clear();
     }
-
-    /// Leading blocks of `chain` this engine holds.
-    fn cached_blocks(&self, chain: &[u64]) -> usize {
-        chain
-            .iter()
-            .take_while(|h| self.held.contains_key(h))
-            .count()
-    }
 }
 
 /// Where the index stands with its event stream.
@@ -259,35 +256,35 @@ pub enum Freshness {
 struct Inner {
     /// Per data-parallel rank (`None`: no data parallelism).
     engines: HashMap<Option<u32>, Engine>,
-    next_seq: Option<u64>,
-    freshness: Freshness,
     /// The first request routed to the Pod since its last event.
     awaiting_since: Option<Instant>,
     cap: usize,
 }
 
 impl Inner {
+    fn freshness(&self) -> Freshness {
+        if self.engines.is_empty() {
+            Freshness::Empty
+        } else if self.engines.values().any(|e| e.stale) {
+            Freshness::Stale
+        } else {
+            Freshness::Live
+        }
+    }
+
     fn usable(&self, now: Instant) -> bool {
-        self.freshness == Freshness::Live
+        self.freshness() == Freshness::Live
             && self
                 .awaiting_since
                 .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
     }
-
-    fn cached_blocks(&self, chain: &[u64]) -> usize {
-        self.engines
-            .values()
-            .map(|e| e.cached_blocks(chain))
-            .max()
-            .unwrap_or(0)
-    }
 }
 
-/// What one Pod's engines hold.
+/// What one Pod's engines hold. Their blocks are shown in a pool's index,
+/// which is where a prompt is matched: one walk for every Pod of the pool.
 pub struct PodKvIndex {
     inner: Mutex<Inner>,
-    /// The pool's index the engines mirror their blocks into, if any.
-    pool: Option<Arc<PoolIndex>>,
+    pool: Arc<PoolIndex>,
 }
 
 impl Default for PodKvIndex {
@@ -297,53 +294,45 @@ impl Default for PodKvIndex {
 }
 
 impl PodKvIndex {
-    /// An empty index of at most `cap` blocks per engine.
+    /// An empty index of at most `cap` blocks per engine, in a pool of its
+    /// own (a destination outside the pool, such as a provider).
     pub fn new(cap: usize) -> Self {
-        PodKvIndex::in_pool(cap, None)
+        PodKvIndex::in_pool(cap, Arc::default())
     }
 
-    /// An empty index whose engines also show their blocks in `pool`.
-    pub fn in_pool(cap: usize, pool: Option<Arc<PoolIndex>>) -> Self {
+    /// An empty index whose engines show their blocks in `pool`.
+    pub fn in_pool(cap: usize, pool: Arc<PoolIndex>) -> Self {
         PodKvIndex {
             pool,
             inner: Mutex::new(Inner {
                 engines: HashMap::new(),
-                next_seq: None,
-                freshness: Freshness::Empty,
                 awaiting_since: None,
                 cap: cap.max(1),
             }),
         }
     }
 
-    /// Applies the batch with sequence number `seq`. A gap (a sequence
-    /// number beyond the next expected one) marks the index stale; the
-    /// caller replays the missed batches first when the engine offers
-    /// replay. A sequence number that goes back means the publisher
-    /// restarted: the index starts over.
+    /// Applies the batch with sequence number `seq` to its engine. A gap (a
+    /// sequence number beyond the engine's next) marks the engine stale. A
+    /// sequence number that goes back means its publisher restarted: the
+    /// engine starts over.
     pub fn apply(&self, seq: u64, batch: &EventBatch) -> Applied {
         let mut inner = lock(&self.inner);
+        let was_stale = inner.freshness() == Freshness::Stale;
         let mut applied = Applied::default();
-        match inner.next_seq {
-            Some(next) if seq > next => {
-                applied.became_stale = inner.freshness != Freshness::Stale;
-                inner.freshness = Freshness::Stale;
-            }
-            Some(next) if seq < next => {
-                inner.engines.clear();
-                inner.freshness = Freshness::Live;
-            }
-            None => inner.freshness = Freshness::Live,
-            Some(_) => {}
-        }
-        inner.next_seq = Some(seq.wrapping_add(1));
         inner.awaiting_since = None;
         let cap = inner.cap;
-        let pool = self.pool.as_ref();
+        let rank = batch.data_parallel_rank;
+        if inner.engines.get(&rank).is_some_and(|e| seq < e.next_seq) {
+            // Dropping the old engine takes its blocks out of the pool.
+            inner.engines.remove(&rank);
+        }
         let engine = inner
             .engines
-            .entry(batch.data_parallel_rank)
-            .or_insert_with(|| Engine::in_pool(pool));
+            .entry(rank)
+            .or_insert_with(|| Engine::new(&self.pool, seq));
+        engine.stale |= seq > engine.next_seq;
+        engine.next_seq = seq.wrapping_add(1);
         for event in &batch.events {
             match event {
                 KvEvent::Stored(s) => engine.store(s, cap, &mut applied),
@@ -353,34 +342,33 @@ impl PodKvIndex {
                     }
                 }
                 KvEvent::AllCleared => {
+                    // A cleared cache holds nothing we could have missed.
                     engine.clear();
+                    engine.stale = false;
                     applied.cleared = true;
                 }
             }
         }
-        // A cleared cache holds nothing we could have missed.
-        if applied.cleared && inner.engines.values().all(|e| e.by_engine.is_empty()) {
-            inner.freshness = Freshness::Live;
-        }
-        applied.became_stale &= inner.freshness == Freshness::Stale;
+        applied.became_stale = !was_stale && inner.freshness() == Freshness::Stale;
         applied
     }
 
     pub fn freshness(&self) -> Freshness {
-        lock(&self.inner).freshness
+        lock(&self.inner).freshness()
+    }
+
+    /// Where the batches a gap lost begin, if batch `seq` of `rank` would
+    /// follow one: the sequence number the engine's next batch should have.
+    pub fn missed_from(&self, rank: Option<u32>, seq: u64) -> Option<u64> {
+        let inner = lock(&self.inner);
+        let next = inner.engines.get(&rank)?.next_seq;
+        (seq > next).then_some(next)
     }
 
     /// A request was routed to the Pod at `now`: its engine should publish
     /// soon.
     pub fn note_routed(&self, now: Instant) {
         lock(&self.inner).awaiting_since.get_or_insert(now);
-    }
-
-    /// Whether the index can be trusted at `now`: live, and not silent for
-    /// [`SILENCE`] since a request was routed to the Pod. Silence is not
-    /// sticky: an event that comes without a gap makes it usable again.
-    pub fn usable(&self, now: Instant) -> bool {
-        lock(&self.inner).usable(now)
     }
 
     /// Resizes to the engine's real cache (blocks per engine).
@@ -393,17 +381,10 @@ impl PodKvIndex {
         }
     }
 
-    /// The block size the engines publish (the first engine's), once known.
-    pub fn block_size(&self) -> Option<u32> {
-        lock(&self.inner)
-            .engines
-            .values()
-            .find_map(|e| e.block_size)
-    }
-
-    /// When the index is usable at `now` and its engines are in the pool:
-    /// their slots, and the block size they publish in (engines of another
-    /// size are left out).
+    /// When the index can be trusted at `now` (live, and not silent for
+    /// [`SILENCE`] since a request was routed to the Pod; silence is not
+    /// sticky): its engines' slots in the pool, and the block size they
+    /// publish in (engines of another size are left out).
     pub fn pool_slots(&self, now: Instant) -> Option<(Vec<u32>, u32)> {
         let inner = lock(&self.inner);
         if !inner.usable(now) {
@@ -414,15 +395,9 @@ impl PodKvIndex {
             .engines
             .values()
             .filter(|e| e.block_size == Some(block_size))
-            .filter_map(|e| e.pool.as_ref().map(|(_, slot)| *slot))
+            .map(|e| e.slot)
             .collect();
         Some((slots, block_size))
-    }
-
-    /// Leading blocks of `chain` held by the Pod: the best of its engines
-    /// (the Pod's server may give the request to any rank).
-    pub fn cached_blocks(&self, chain: &[u64]) -> usize {
-        lock(&self.inner).cached_blocks(chain)
     }
 
     /// Blocks remembered, all engines together.
@@ -476,6 +451,22 @@ mod tests {
         }
     }
 
+    /// Leading blocks of `chain` the Pod's best engine holds, as its pool
+    /// shows them, usable or not.
+    fn cached(ix: &PodKvIndex, chain: &[u64]) -> usize {
+        let slots: Vec<u32> = lock(&ix.inner).engines.values().map(|e| e.slot).collect();
+        ix.pool
+            .leading_blocks(chain, &slots)
+            .into_iter()
+            .map(|(_, blocks)| blocks)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn usable(ix: &PodKvIndex, now: Instant) -> bool {
+        lock(&ix.inner).usable(now)
+    }
+
     /// The chain of a prompt of tokens `0..n`.
     fn prompt(n: u32) -> Vec<u64> {
         let tokens: Vec<u32> = (0..n).collect();
@@ -489,13 +480,13 @@ mod tests {
         let ix = PodKvIndex::default();
         ix.apply(0, &batch(vec![stored(&[10, 11], None, 0)]));
         ix.apply(1, &batch(vec![stored(&[12], Some(11), 8)]));
-        assert_eq!(ix.cached_blocks(&prompt(20)), 3);
-        assert_eq!(ix.cached_blocks(&prompt(9)), 2, "only full blocks");
+        assert_eq!(cached(&ix, &prompt(20)), 3);
+        assert_eq!(cached(&ix, &prompt(9)), 2, "only full blocks");
         // Same tokens after a different first block: no match at all.
         let mut other = Vec::new();
         let tokens: Vec<u32> = (1..21).collect();
         token_chain(chain_root(None), &tokens, BS as usize, 1024, &mut other);
-        assert_eq!(ix.cached_blocks(&other), 0);
+        assert_eq!(cached(&ix, &other), 0);
         assert_eq!(ix.freshness(), Freshness::Live);
     }
 
@@ -504,22 +495,25 @@ mod tests {
         let ix = PodKvIndex::default();
         let a = ix.apply(1, &batch(vec![stored(&[10, 11], Some(0), 0)]));
         assert_eq!(a.orphaned, 0);
-        assert_eq!(ix.cached_blocks(&prompt(8)), 2);
+        assert_eq!(cached(&ix, &prompt(8)), 2);
     }
 
     #[test]
     fn a_pod_silent_since_it_was_sent_a_request_is_not_used_until_it_publishes() {
         let ix = PodKvIndex::default();
         let t0 = Instant::now();
-        assert!(!ix.usable(t0), "no event yet");
+        assert!(!usable(&ix, t0), "no event yet");
         ix.apply(0, &batch(vec![stored(&[10], None, 0)]));
-        assert!(ix.usable(t0 + SILENCE * 100), "idle, nothing awaited");
+        assert!(usable(&ix, t0 + SILENCE * 100), "idle, nothing awaited");
         ix.note_routed(t0);
         ix.note_routed(t0 + SILENCE / 2);
-        assert!(ix.usable(t0 + SILENCE / 2));
-        assert!(!ix.usable(t0 + SILENCE), "the first request counts");
+        assert!(usable(&ix, t0 + SILENCE / 2));
+        assert!(!usable(&ix, t0 + SILENCE), "the first request counts");
         ix.apply(1, &batch(vec![]));
-        assert!(ix.usable(t0 + SILENCE * 2), "events resumed without a gap");
+        assert!(
+            usable(&ix, t0 + SILENCE * 2),
+            "events resumed without a gap"
+        );
     }
 
     /// The chain of a prompt of tokens `0..n`, as the pool sees it.
@@ -535,7 +529,7 @@ mod tests {
     #[test]
     fn a_pods_blocks_show_in_the_pool_while_it_holds_them_and_leave_with_it() {
         let pool = Arc::new(PoolIndex::default());
-        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(&pool)));
+        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Arc::clone(&pool));
         assert_eq!(ix.pool_slots(Instant::now()), None, "no event yet");
         ix.apply(0, &batch(vec![stored(&[10, 11, 12], None, 0)]));
         assert_eq!(pool_match(&pool, &ix, 20), Some(3));
@@ -564,7 +558,7 @@ mod tests {
     #[test]
     fn each_data_parallel_rank_has_its_own_slot() {
         let pool = Arc::new(PoolIndex::default());
-        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(&pool)));
+        let ix = PodKvIndex::in_pool(DEFAULT_CAPACITY, Arc::clone(&pool));
         let ranked = |rank, events| EventBatch {
             data_parallel_rank: Some(rank),
             ..batch(events)
@@ -582,7 +576,7 @@ mod tests {
         ix.apply(0, &batch(vec![stored(&[10, 11, 12], None, 0)]));
         let a = ix.apply(1, &batch(vec![removed(&[11, 99])]));
         assert_eq!(a.removed, 1, "an unknown key is not counted");
-        assert_eq!(ix.cached_blocks(&prompt(12)), 1);
+        assert_eq!(cached(&ix, &prompt(12)), 1);
     }
 
     #[test]
@@ -593,7 +587,7 @@ mod tests {
         assert_eq!(ix.freshness(), Freshness::Stale);
         let a = ix.apply(6, &batch(vec![KvEvent::AllCleared]));
         assert!(a.cleared);
-        assert_eq!(ix.cached_blocks(&prompt(8)), 0);
+        assert_eq!(cached(&ix, &prompt(8)), 0);
         assert!(ix.is_empty());
         assert_eq!(ix.freshness(), Freshness::Live);
     }
@@ -608,7 +602,7 @@ mod tests {
         assert_eq!(ix.len(), 3);
         ix.apply(2, &batch(vec![removed(&[21, 22, 23])]));
         assert!(ix.is_empty());
-        assert_eq!(ix.cached_blocks(&prompt(16)), 0);
+        assert_eq!(cached(&ix, &prompt(16)), 0);
     }
 
     #[test]
@@ -617,13 +611,16 @@ mod tests {
         ix.apply(7, &batch(vec![stored(&[10], None, 0)]));
         ix.apply(8, &batch(vec![]));
         assert_eq!(ix.freshness(), Freshness::Live);
+        assert_eq!(ix.missed_from(None, 10), Some(9));
+        assert_eq!(ix.missed_from(None, 9), None, "the next one");
+        assert_eq!(ix.missed_from(Some(1), 10), None, "no such rank");
         assert!(ix.apply(10, &batch(vec![])).became_stale);
         assert_eq!(ix.freshness(), Freshness::Stale);
         assert!(!ix.apply(12, &batch(vec![])).became_stale, "already stale");
         // The publisher restarted (sequence back to 0): its cache is new.
         ix.apply(0, &batch(vec![stored(&[30], None, 100)]));
         assert_eq!(ix.freshness(), Freshness::Live);
-        assert_eq!(ix.cached_blocks(&prompt(4)), 0);
+        assert_eq!(cached(&ix, &prompt(4)), 0);
         // And its sequence goes on from there without a gap.
         assert!(!ix.apply(1, &batch(vec![])).became_stale);
         assert_eq!(ix.freshness(), Freshness::Live);
@@ -643,7 +640,7 @@ mod tests {
             tweak(&mut s);
             let a = ix.apply(0, &batch(vec![KvEvent::Stored(s)]));
             assert_eq!(a.skipped, 1);
-            assert_eq!(ix.cached_blocks(&prompt(4)), 0);
+            assert_eq!(cached(&ix, &prompt(4)), 0);
         }
     }
 
@@ -668,15 +665,36 @@ mod tests {
         let mut b = batch(vec![stored(&[10, 11, 12], None, 0)]);
         b.data_parallel_rank = Some(1);
         ix.apply(1, &b);
-        assert_eq!(ix.cached_blocks(&prompt(12)), 3);
+        assert_eq!(cached(&ix, &prompt(12)), 3);
         let mut b = batch(vec![removed(&[10])]);
         b.data_parallel_rank = Some(1);
         ix.apply(2, &b);
-        assert_eq!(
-            ix.cached_blocks(&prompt(12)),
-            1,
-            "rank 0 still holds block 0"
-        );
+        assert_eq!(cached(&ix, &prompt(12)), 1, "rank 0 still holds block 0");
+    }
+
+    #[test]
+    fn each_rank_numbers_its_batches_and_only_its_own_gap_or_restart_counts() {
+        let ix = PodKvIndex::default();
+        let ranked = |rank, events| EventBatch {
+            data_parallel_rank: Some(rank),
+            ..batch(events)
+        };
+        ix.apply(0, &ranked(0, vec![stored(&[10, 11], None, 0)]));
+        ix.apply(0, &ranked(1, vec![stored(&[20], None, 0)]));
+        ix.apply(1, &ranked(0, vec![]));
+        ix.apply(1, &ranked(1, vec![]));
+        assert_eq!(ix.freshness(), Freshness::Live, "two sequences, no gap");
+        assert_eq!(cached(&ix, &prompt(8)), 2, "no restart either");
+        // Rank 1 restarts: rank 0 keeps its blocks.
+        ix.apply(0, &ranked(1, vec![]));
+        assert_eq!(cached(&ix, &prompt(8)), 2);
+        // A gap in rank 1 makes the Pod stale; rank 1 clearing its cache
+        // makes it live again, whatever rank 0 holds.
+        assert!(ix.apply(5, &ranked(1, vec![])).became_stale);
+        assert_eq!(ix.freshness(), Freshness::Stale);
+        ix.apply(6, &ranked(1, vec![KvEvent::AllCleared]));
+        assert_eq!(ix.freshness(), Freshness::Live);
+        assert_eq!(cached(&ix, &prompt(8)), 2);
     }
 
     #[test]

@@ -46,7 +46,7 @@ impl DestinationState {
 
     /// A Pod's state, whose KV-event index shows its blocks in `pool`.
     pub fn in_pool(config: &DestinationConfig, pool: &Arc<PoolIndex>) -> Arc<Self> {
-        let kv = PodKvIndex::in_pool(DEFAULT_CAPACITY, Some(Arc::clone(pool)));
+        let kv = PodKvIndex::in_pool(DEFAULT_CAPACITY, Arc::clone(pool));
         Self::with_kv(config, kv)
     }
 
