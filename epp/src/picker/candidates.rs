@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::endpoints::EndpointView;
+use crate::kv_events::PodKvIndex;
 use crate::kv_events::pool::PoolIndex;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
@@ -33,6 +34,9 @@ pub struct CandidateSet {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrefixPrediction {
     pub cached_tokens: f64,
+    /// The prompt's length in the unit `cached_tokens` counts in: the
+    /// engine's tokens in precise mode, else estimated.
+    pub prompt: f64,
     pub source: PrefixSource,
     /// The block size the Pod's events declare, when they were the source.
     pub block_size: Option<u32>,
@@ -58,41 +62,35 @@ impl CandidateSet {
             features: Vec::new(),
             prefixes: Vec::new(),
         };
+        // Each endpoint's address is formatted once per request.
+        let admitted: Vec<(&EndpointView, String)> = snapshot
+            .iter()
+            .map(|view| (view, view.endpoint.address()))
+            .filter(|(_, address)| subset.is_none_or(|s| in_subset(s, address)))
+            .collect();
         let tokenized = tokens.map(|t| t.ids().len() as u64);
         let precise = tokens.map_or_else(Vec::new, |t| {
-            precise_cached_tokens(picker.registry.kv_pool(), &snapshot, t, now)
+            let indexes: Vec<&PodKvIndex> = admitted.iter().map(|(v, _)| &v.state.kv).collect();
+            precise_cached_tokens(picker.registry.kv_pool(), &indexes, t, now)
         });
-        // Each endpoint's address is formatted once per request.
-        let tokens_per_block = picker.config.block_chars as f64 / 4.0;
-        let prompt = request.prompt_tokens as f64;
+        let units = PromptUnits::new(request.prompt_tokens, tokenized, picker.config.block_chars);
+        let prompt = units.prompt;
         let output = request
             .max_tokens
             .unwrap_or(picker.config.default_output_tokens) as f64;
-        for (i, view) in snapshot.iter().enumerate() {
-            let address = view.endpoint.address();
-            if subset.is_some_and(|s| !in_subset(s, &address)) {
-                continue;
-            }
+        for (i, (view, address)) in admitted.iter().enumerate() {
             let ep = &view.endpoint;
             let state = &view.state;
             let (cached, source, block_size) = match precise.get(i).copied().flatten() {
-                Some((tokens, bs)) => (tokens as f64, PrefixSource::Events, Some(bs)),
+                Some((tokens, bs)) => (units.of_events(tokens), PrefixSource::Events, Some(bs)),
                 None => {
                     let blocks = state.prefix.cached_blocks(hashes);
-                    (
-                        blocks as f64 * tokens_per_block,
-                        PrefixSource::Estimate,
-                        None,
-                    )
+                    (units.of_estimate(blocks), PrefixSource::Estimate, None)
                 }
-            };
-            // Each source counts in its own tokens: the engine's, or estimated.
-            let cached = match (source, tokenized) {
-                (PrefixSource::Events, Some(ours)) => cached.min(ours as f64),
-                _ => cached.min(prompt),
             };
             let prefix = PrefixPrediction {
                 cached_tokens: cached,
+                prompt,
                 source,
                 block_size,
                 prompt_tokens: tokenized,
@@ -255,20 +253,57 @@ impl CandidateSet {
     }
 }
 
-/// Per Pod of `views`, the prompt's leading tokens its engines hold and the
-/// block size they count in, from their KV events: `None` where its index
-/// is not usable at `now` (no events yet, events lost, or silent since it
-/// was sent a request), so the estimate is used. One walk of the pool's
-/// index per block size, not one per Pod.
+/// The unit a request's prompt and its candidates' cached prefixes count
+/// in, one for all so that candidates compare: the engine's tokens when
+/// precise mode tokenized the prompt, else the estimate's (4 bytes a token).
+/// Mixed, a Pod whose events said it held the whole prompt looked only
+/// partly cached, next to the estimate's larger count of the prompt.
+#[derive(Debug, Clone, Copy)]
+struct PromptUnits {
+    prompt: f64,
+    /// Estimated tokens in a block of the approximate index, in this unit.
+    per_estimated_block: f64,
+}
+
+impl PromptUnits {
+    fn new(estimated_prompt: u64, tokenized: Option<u64>, block_chars: usize) -> Self {
+        let estimated = estimated_prompt as f64;
+        let prompt = tokenized.map_or(estimated, |t| t as f64);
+        let scale = if estimated > 0.0 {
+            prompt / estimated
+        } else {
+            1.0
+        };
+        PromptUnits {
+            prompt,
+            per_estimated_block: block_chars as f64 / 4.0 * scale,
+        }
+    }
+
+    /// Cached tokens the engine's events count.
+    fn of_events(&self, tokens: usize) -> f64 {
+        (tokens as f64).min(self.prompt)
+    }
+
+    /// Cached blocks of the approximate index.
+    fn of_estimate(&self, blocks: usize) -> f64 {
+        (blocks as f64 * self.per_estimated_block).min(self.prompt)
+    }
+}
+
+/// Per Pod of `indexes`, the prompt's leading tokens its engines hold and
+/// the block size they count in, from their KV events: `None` where its
+/// index is not usable at `now` (no events yet, events lost, or silent
+/// since it was sent a request), so the estimate is used. One walk of the
+/// pool's index per block size, not one per Pod.
 fn precise_cached_tokens(
     pool: &PoolIndex,
-    views: &[EndpointView],
+    indexes: &[&PodKvIndex],
     tokens: &PromptTokens,
     now: Instant,
 ) -> Vec<Option<(usize, u32)>> {
-    let slots: Vec<Option<(Vec<u32>, u32)>> =
-        views.iter().map(|v| v.state.kv.pool_slots(now)).collect();
-    let mut out = vec![None; views.len()];
+    let slots: Vec<Option<(Vec<u32>, u32)>> = indexes.iter().map(|kv| kv.pool_slots(now)).collect();
+    let mut out = vec![None; indexes.len()];
     let mut sizes: Vec<u32> = slots.iter().flatten().map(|(_, bs)| *bs).collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -306,7 +341,25 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::in_subset;
+    use super::{PromptUnits, in_subset};
+
+    #[test]
+    fn a_tokenized_prompt_and_every_cached_prefix_count_in_the_engines_tokens() {
+        // 4,096 bytes (1,024 estimated tokens, 64 blocks of 64 bytes) the
+        // engine's tokenizer makes 640 tokens of.
+        let units = PromptUnits::new(1_024, Some(640), 64);
+        assert_eq!(units.prompt, 640.0);
+        assert_eq!(units.of_events(640), 640.0, "held whole by its events");
+        assert_eq!(units.of_events(700), 640.0);
+        // Half the prompt's blocks, estimated: half the prompt still.
+        assert_eq!(units.of_estimate(32), 320.0);
+        assert_eq!(units.of_estimate(100), 640.0);
+        // Not tokenized: the estimate's own unit.
+        let estimated = PromptUnits::new(1_024, None, 64);
+        assert_eq!(estimated.prompt, 1_024.0);
+        assert_eq!(estimated.of_estimate(32), 512.0);
+        assert_eq!(PromptUnits::new(0, Some(5), 64).of_estimate(1), 5.0);
+    }
 
     #[test]
     fn subset_matches_ip_and_port_not_ip_alone() {

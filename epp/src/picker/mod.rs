@@ -522,10 +522,15 @@ impl Router for Picker {
     /// prediction error, and in precise mode the tokenizer check.
     fn usage(&self, ticket: &mut Ticket, usage: Usage) {
         let Some(prefix) = ticket.prefix else { return };
-        if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens) {
+        if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens)
+            && prefix.prompt > 0.0
+        {
+            // As a share of the prompt: an estimate counts 4 bytes a token,
+            // the engine its own tokens.
+            let predicted = prefix.cached_tokens / prefix.prompt * prompt as f64;
             self.metrics.observe_cached_prefix_prediction(
                 prefix.source.as_str(),
-                prefix.cached_tokens,
+                predicted,
                 reported,
                 prompt,
             );
