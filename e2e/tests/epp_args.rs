@@ -103,10 +103,12 @@ fn precise_prefix_turns_on_the_events_port_with_the_mounted_tokenizer() {
     let mut spec = minimal_spec();
     spec["endpointPicker"] = json!({"precisePrefix": {
         "tokenizer": {"image": "reg.example/tok:1"},
-        "tokenizeBudget": "12ms"
+        "tokenizeBudget": "12ms",
+        "replayPort": 5558
     }});
     let (parsed, _) = generated_args(spec);
     assert_eq!(parsed.kv_events_port, Some(5557));
+    assert_eq!(parsed.kv_events_replay_port, Some(5558));
     assert_eq!(
         parsed.kv_events_tokenizer,
         Some(KvEventsTokenizer::Directory(TOKENIZER_DIR.into()))

@@ -59,6 +59,12 @@ pub struct Args {
     /// topic `kv@$(POD_IP)@<model>`). Off unless set.
     #[arg(long, value_name = "PORT", requires = "kv_events_tokenizer")]
     pub kv_events_port: Option<u16>,
+    /// The engines' replay endpoint port (vLLM `--kv-events-config`
+    /// `replay_endpoint: tcp://*:PORT`; data-parallel rank r on PORT + r):
+    /// after a sequence gap the lost batches are asked for there. Without
+    /// it a gap leaves the Pod estimated until its cache is cleared.
+    #[arg(long, value_name = "PORT", requires = "kv_events_port")]
+    pub kv_events_replay_port: Option<u16>,
     /// How precise mode tokenizes prompts: the directory of the model's
     /// `tokenizer.json` and chat template (`chat_template.jinja` or
     /// `tokenizer_config.json`), as in its Hugging Face repository; or

@@ -10,6 +10,7 @@ use kinference_epp::cli::{Args, KvEventsTokenizer};
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
+use kinference_epp::kv_events::subscriber::Replay;
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::server::{Epp, Settings, bind};
@@ -153,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(
         address = %args.bind_address,
         kv_events = ?args.kv_events_port,
+        kv_events_replay = ?args.kv_events_replay_port,
         grpc = args.grpc_port,
         health = args.grpc_health_port,
         metrics = args.metrics_port,
@@ -175,7 +177,11 @@ async fn main() -> anyhow::Result<()> {
                 epp.serve_health(health, stopped()),
                 epp.serve_http(http, stopped()),
                 epp.serve_debug(debug, stopped()),
-                epp.serve_kv_events(kv_events, stopped()),
+                epp.serve_kv_events(
+                    kv_events,
+                    args.kv_events_replay_port.map(Replay::on_port),
+                    stopped()
+                ),
             )
         }
     });

@@ -272,6 +272,7 @@ impl Epp {
     pub async fn serve_kv_events(
         &self,
         listener: Option<TcpListener>,
+        replay: Option<crate::kv_events::subscriber::Replay>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let Some(listener) = listener else {
@@ -283,7 +284,7 @@ impl Epp {
         let registry = Arc::clone(self.registry());
         let limits = crate::kv_events::zmtp::Limits::default();
         tokio::select! {
-            result = crate::kv_events::subscriber::serve(listener, registry, stats, limits) => result?,
+            result = crate::kv_events::subscriber::serve(listener, registry, stats, limits, replay) => result?,
             () = shutdown => {}
         }
         Ok(())

@@ -121,7 +121,7 @@ impl Pool {
         tokio::spawn({
             let epp = epp.clone();
             async move {
-                epp.serve_kv_events(Some(events), std::future::pending())
+                epp.serve_kv_events(Some(events), None, std::future::pending())
                     .await
             }
         });

@@ -127,6 +127,13 @@ pub struct PrecisePrefixSpec {
     /// instead (e.g. `5ms`, the default; at most `1s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenize_budget: Option<String>,
+    /// The port of each model server's replay endpoint (vLLM
+    /// `replay_endpoint: tcp://*:<port>`; data-parallel rank r on port + r).
+    /// After a sequence gap the EPP asks it for the lost events. Unset: a
+    /// gap leaves the Pod estimated until its cache is cleared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub replay_port: Option<i32>,
 }
 
 /// Where the tokenizer files come from: an OCI image (or artifact) mounted
@@ -175,6 +182,11 @@ impl PrecisePrefixSpec {
             errors.push(format!(
                 "{at}.eventsPort: {port} is taken by the EPP's own ports {reserved_ports:?}"
             ));
+        }
+        if let Some(port) = self.replay_port
+            && !(1..=65535).contains(&port)
+        {
+            errors.push(format!("{at}.replayPort: {port} is not a port number"));
         }
         if let Some(budget) = &self.tokenize_budget {
             match kinference_policy::duration::parse_duration(budget) {

@@ -37,3 +37,10 @@ pub fn peer(name: &str, env_var: &str) -> anyhow::Result<PathBuf> {
 pub fn qwen3_tokenizer() -> anyhow::Result<PathBuf> {
     peer("qwen3-tokenizer", "KINFERENCE_QWEN3_TOKENIZER")
 }
+
+/// A Python that runs vLLM's own KV-event publisher
+/// (`epp/tests/fixtures/kv_events/publisher.py`) with the vLLM wheel's
+/// `kv_events.py`: `$KINFERENCE_VLLM_PUBLISHER` or the cached install.
+pub fn vllm_publisher() -> anyhow::Result<PathBuf> {
+    peer("vllm-publisher", "KINFERENCE_VLLM_PUBLISHER")
+}

@@ -5,9 +5,15 @@
 //! Connections feed one bounded channel read by one task, so the indexes
 //! see each engine's batches in order and a flood is held back at the
 //! sockets, not in memory.
+//!
+//! With a replay port, a batch that follows a sequence gap waits while the
+//! task asks the engine's replay endpoint for the lost batches and applies
+//! them first, at most [`Replay::timeout`]; a gap it cannot fill marks the
+//! Pod stale, as without replay.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 
@@ -23,6 +29,27 @@ use crate::metrics::Metrics;
 const MAX_CONNECTIONS: usize = 1024;
 /// Messages decoded ahead of the index.
 const QUEUE: usize = 256;
+/// Batches one replay may return: vLLM buffers 10,000 (`buffer_steps`).
+const MAX_REPLAYED: usize = 10_000;
+
+/// Where the engines' replay endpoints are.
+#[derive(Debug, Clone, Copy)]
+pub struct Replay {
+    /// vLLM's `replay_endpoint` port on each Pod; data-parallel rank `r`
+    /// binds `port + r`.
+    pub port: u16,
+    /// How long one replay may hold the index, connecting included.
+    pub timeout: Duration,
+}
+
+impl Replay {
+    pub fn on_port(port: u16) -> Self {
+        Replay {
+            port,
+            timeout: Duration::from_secs(1),
+        }
+    }
+}
 
 /// Counters of the events port.
 #[derive(Debug, Default)]
@@ -37,6 +64,10 @@ pub struct EventStats {
     pub dropped: Counter,
     /// Sequence gaps seen (the Pod's index was marked stale).
     pub gaps: Counter,
+    /// Batches a gap lost, replayed from the engine.
+    pub replayed: Counter,
+    /// Replays that failed (no endpoint, a timeout, a protocol error).
+    pub replay_failures: Counter,
     /// Blocks stored under a parent the index did not know.
     pub orphaned_blocks: Counter,
     /// `BlockStored` events whose tokens are not whole blocks.
@@ -69,6 +100,16 @@ impl EventStats {
                 &self.gaps,
                 "gaps",
                 "KV-event sequence gaps (the Pod's index is marked stale)",
+            ),
+            (
+                &self.replayed,
+                "replayed",
+                "KV-event batches lost in a sequence gap and replayed from the engine",
+            ),
+            (
+                &self.replay_failures,
+                "replay_failures",
+                "KV-event replays that failed (the gap stays; the Pod is marked stale)",
             ),
             (
                 &self.orphaned_blocks,
@@ -106,9 +147,16 @@ pub async fn serve(
     registry: Arc<EndpointRegistry>,
     stats: Arc<EventStats>,
     limits: Limits,
+    replay: Option<Replay>,
 ) -> std::io::Result<()> {
     let (tx, rx) = mpsc::channel(QUEUE);
-    tokio::spawn(index_messages(rx, registry, Arc::clone(&stats)));
+    let indexer = Indexer {
+        registry,
+        stats: Arc::clone(&stats),
+        limits,
+        replay,
+    };
+    tokio::spawn(indexer.run(rx));
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, peer) = listener.accept().await?;
@@ -134,21 +182,90 @@ pub async fn serve(
     }
 }
 
-async fn index_messages(
-    mut rx: mpsc::Receiver<Vec<Vec<u8>>>,
+/// The one task that applies messages to the indexes.
+struct Indexer {
     registry: Arc<EndpointRegistry>,
     stats: Arc<EventStats>,
-) {
-    while let Some(frames) = rx.recv().await {
-        stats.messages.inc_by(1);
-        match wire::decode_message(&frames) {
-            Ok(message) => apply(&message, &registry, &stats),
-            Err(e) => {
-                stats.malformed.inc_by(1);
-                tracing::debug!(error = %e, "undecodable KV-events message");
+    limits: Limits,
+    replay: Option<Replay>,
+}
+
+impl Indexer {
+    async fn run(self, mut rx: mpsc::Receiver<Vec<Vec<u8>>>) {
+        while let Some(frames) = rx.recv().await {
+            self.stats.messages.inc_by(1);
+            match wire::decode_message(&frames) {
+                Ok(message) => {
+                    if let Some(replay) = self.replay {
+                        self.fill_gap(&message, replay).await;
+                    }
+                    apply(&message, &self.registry, &self.stats);
+                }
+                Err(e) => {
+                    self.stats.malformed.inc_by(1);
+                    tracing::debug!(error = %e, "undecodable KV-events message");
+                }
             }
         }
     }
+
+    /// If `message` follows a gap in its engine's sequence, asks the
+    /// engine's replay endpoint for the lost batches and applies them.
+    async fn fill_gap(&self, message: &Message, replay: Replay) {
+        let Some(ip) = topic_pod_ip(&message.topic) else {
+            return;
+        };
+        let rank = message.batch.data_parallel_rank;
+        let Some(from) = self
+            .registry
+            .states_on_ip(ip)
+            .iter()
+            .filter_map(|s| s.kv.missed_from(rank, message.seq))
+            .min()
+        else {
+            return;
+        };
+        let port = u32::from(replay.port) + rank.unwrap_or(0);
+        let Ok(port) = u16::try_from(port) else {
+            return;
+        };
+        let addr = SocketAddr::new(ip, port);
+        let fetched = tokio::time::timeout(replay.timeout, fetch(addr, from, self.limits)).await;
+        let batches = match fetched {
+            Ok(Ok(batches)) => batches,
+            Ok(Err(e)) => return self.replay_failed(addr, &e.to_string()),
+            Err(_) => return self.replay_failed(addr, "timed out"),
+        };
+        let mut replayed = 0;
+        for frames in batches {
+            let Ok(lost) = wire::decode_message(&frames) else {
+                self.stats.malformed.inc_by(1);
+                continue;
+            };
+            if lost.batch.data_parallel_rank == rank && (from..message.seq).contains(&lost.seq) {
+                apply(&lost, &self.registry, &self.stats);
+                replayed += 1;
+            }
+        }
+        self.stats.replayed.inc_by(replayed);
+        tracing::info!(topic = %message.topic, from, to = message.seq, replayed, "KV-event batches lost in a sequence gap were replayed");
+    }
+
+    fn replay_failed(&self, addr: SocketAddr, error: &str) {
+        self.stats.replay_failures.inc_by(1);
+        tracing::warn!(%addr, error, "KV-event replay failed");
+    }
+}
+
+/// The batches from `from` on that the replay endpoint at `addr` keeps.
+async fn fetch(
+    addr: SocketAddr,
+    from: u64,
+    limits: Limits,
+) -> Result<Vec<Vec<Vec<u8>>>, zmtp::ZmtpError> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let _ = stream.set_nodelay(true);
+    zmtp::replay(stream, from, limits, MAX_REPLAYED).await
 }
 
 /// Applies one message to every endpoint of the Pod its topic names.

@@ -16,6 +16,9 @@
 //! We greet as ZMTP 3.0, so peers speaking 3.1 (libzmq, go-zeromq) fall
 //! back to 3.0's subscription messages (`0x01` + topic prefix) and send no
 //! heartbeats.
+//!
+//! The other way round, [`replay`] connects as a DEALER to vLLM's replay
+//! endpoint (a ROUTER) and asks for the batches a sequence gap lost.
 
 use std::io;
 use std::time::Duration;
@@ -52,8 +55,8 @@ pub enum ZmtpError {
     Version(u8, u8),
     #[error("security mechanism {0:?} is not supported (NULL only)")]
     Mechanism(String),
-    #[error("the peer is a {0:?} socket, not a publisher")]
-    SocketType(String),
+    #[error("the peer is a {0:?} socket, not {1}")]
+    SocketType(String, &'static str),
     #[error("malformed {0}")]
     Malformed(&'static str),
     #[error("handshake timed out")]
@@ -109,13 +112,13 @@ fn frame(flags: u8, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The READY properties of a SUB socket.
-fn ready_sub() -> Vec<u8> {
+/// The READY command of a socket of type `socket_type`.
+fn ready(socket_type: &str) -> Vec<u8> {
     let mut props = Vec::new();
     props.push(b"Socket-Type".len() as u8);
     props.extend_from_slice(b"Socket-Type");
-    props.extend_from_slice(&3u32.to_be_bytes());
-    props.extend_from_slice(b"SUB");
+    props.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    props.extend_from_slice(socket_type.as_bytes());
     command("READY", &props)
 }
 
@@ -174,8 +177,31 @@ async fn skip<R: AsyncRead + Unpin>(r: &mut R, len: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Greets, exchanges READY and subscribes to every topic.
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> Result<(), ZmtpError> {
+/// The peer socket types a socket of ours talks to.
+struct Pairing {
+    ours: &'static str,
+    theirs: &'static [&'static [u8]],
+    /// What the peer should be, for the error.
+    wanted: &'static str,
+}
+
+const SUB_OF_PUB: Pairing = Pairing {
+    ours: "SUB",
+    theirs: &[b"PUB", b"XPUB"],
+    wanted: "a publisher",
+};
+
+const DEALER_OF_ROUTER: Pairing = Pairing {
+    ours: "DEALER",
+    theirs: &[b"ROUTER"],
+    wanted: "a ROUTER (replay endpoint)",
+};
+
+/// Greets and exchanges READY as `pairing` says.
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    pairing: &Pairing,
+) -> Result<(), ZmtpError> {
     s.write_all(&greeting()).await?;
     let mut peer = [0u8; 64];
     s.read_exact(&mut peer).await?;
@@ -191,7 +217,7 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> Result<(), Z
         let name = String::from_utf8_lossy(&mechanism[..end]).into_owned();
         return Err(ZmtpError::Mechanism(name));
     }
-    s.write_all(&ready_sub()).await?;
+    s.write_all(&ready(pairing.ours)).await?;
     let h = read_header(s).await?;
     if h.flags & FLAG_COMMAND == 0 || h.len > 4096 {
         return Err(ZmtpError::Malformed("READY"));
@@ -202,13 +228,10 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> Result<(), Z
         return Err(ZmtpError::Malformed("READY"));
     }
     let socket_type = property(&body[1 + name_len..], "Socket-Type")?.unwrap_or_default();
-    if !matches!(socket_type, b"PUB" | b"XPUB") {
+    if !pairing.theirs.contains(&socket_type) {
         let t = String::from_utf8_lossy(socket_type).into_owned();
-        return Err(ZmtpError::SocketType(t));
+        return Err(ZmtpError::SocketType(t, pairing.wanted));
     }
-    // Subscribe to everything: topics are checked per message.
-    s.write_all(&frame(0, &[0x01])).await?;
-    s.flush().await?;
     Ok(())
 }
 
@@ -223,9 +246,15 @@ pub async fn serve_publisher<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    tokio::time::timeout(limits.handshake_timeout, handshake(&mut stream))
-        .await
-        .map_err(|_| ZmtpError::Timeout)??;
+    tokio::time::timeout(
+        limits.handshake_timeout,
+        handshake(&mut stream, &SUB_OF_PUB),
+    )
+    .await
+    .map_err(|_| ZmtpError::Timeout)??;
+    // Subscribe to everything: topics are checked per message.
+    stream.write_all(&frame(0, &[0x01])).await?;
+    stream.flush().await?;
     let mut dropped = Dropped::default();
     let mut frames: Vec<Vec<u8>> = Vec::new();
     // Set once a frame of this message broke a limit: the rest is skipped.
@@ -259,6 +288,80 @@ where
             } else if out.send(std::mem::take(&mut frames)).await.is_err() {
                 return Ok(dropped);
             }
+        }
+    }
+}
+
+/// vLLM's end-of-replay marker: a sequence number of -1.
+const END_OF_REPLAY: [u8; 8] = [0xFF; 8];
+
+/// Asks a replay endpoint (vLLM's ROUTER) on `stream` for every batch it
+/// still buffers from sequence number `from` on, and returns each one's
+/// frames (topic, sequence number, payload), oldest first.
+///
+/// The request is an empty delimiter and `from` (8 bytes, big-endian); each
+/// batch comes back as `[delimiter, topic, seq, payload]`, and the end as
+/// `[delimiter, "", -1, ""]`. Bounded as a publisher's connection is, and at
+/// most `max_batches`: a replay that breaks a limit is an error, so a gap
+/// it cannot fill stays a gap.
+pub async fn replay<S>(
+    mut stream: S,
+    from: u64,
+    limits: Limits,
+    max_batches: usize,
+) -> Result<Vec<Vec<Vec<u8>>>, ZmtpError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    tokio::time::timeout(
+        limits.handshake_timeout,
+        handshake(&mut stream, &DEALER_OF_ROUTER),
+    )
+    .await
+    .map_err(|_| ZmtpError::Timeout)??;
+    stream.write_all(&frame(FLAG_MORE, b"")).await?;
+    stream.write_all(&frame(0, &from.to_be_bytes())).await?;
+    stream.flush().await?;
+    let mut batches = Vec::new();
+    loop {
+        let message = read_message(&mut stream, limits).await?;
+        match message.as_slice() {
+            [delimiter, rest @ ..] if delimiter.is_empty() => match rest {
+                [topic, seq, _] if topic.is_empty() && seq[..] == END_OF_REPLAY => {
+                    return Ok(batches);
+                }
+                [_, _, _] if batches.len() < max_batches => batches.push(rest.to_vec()),
+                [_, _, _] => return Err(ZmtpError::Malformed("replay: too many batches")),
+                _ => return Err(ZmtpError::Malformed("replay batch")),
+            },
+            _ => return Err(ZmtpError::Malformed("replay batch: no delimiter")),
+        }
+    }
+}
+
+/// One whole message: its frames, at most `limits.max_frames` + 1 (a
+/// ROUTER's delimiter) of at most `limits.max_frame_bytes` each. Commands
+/// between messages are skipped.
+async fn read_message<S: AsyncRead + Unpin>(
+    s: &mut S,
+    limits: Limits,
+) -> Result<Vec<Vec<u8>>, ZmtpError> {
+    let mut frames = Vec::new();
+    loop {
+        let h = read_header(s).await?;
+        if h.flags & FLAG_COMMAND != 0 {
+            skip(s, h.len).await?;
+            continue;
+        }
+        if h.len > limits.max_frame_bytes {
+            return Err(ZmtpError::Malformed("oversized frame"));
+        }
+        if frames.len() > limits.max_frames {
+            return Err(ZmtpError::Malformed("too many frames"));
+        }
+        frames.push(read_exact_vec(s, h.len).await?);
+        if h.flags & FLAG_MORE == 0 {
+            return Ok(frames);
         }
     }
 }
@@ -438,5 +541,69 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.to_string(), "handshake timed out");
+    }
+
+    /// A ROUTER's end of `replay`: greeted, READY exchanged, the request
+    /// read; returns its stream and the requested sequence number.
+    async fn router(theirs: &mut DuplexStream) -> u64 {
+        theirs.write_all(&peer_greeting(3, b"NULL")).await.unwrap();
+        theirs.write_all(&ready(b"ROUTER")).await.unwrap();
+        let mut g = [0u8; 64];
+        theirs.read_exact(&mut g).await.unwrap();
+        let h = read_header(theirs).await.unwrap();
+        let body = read_exact_vec(theirs, h.len).await.unwrap();
+        assert_eq!(
+            property(&body[6..], "Socket-Type").unwrap(),
+            Some(b"DEALER".as_slice())
+        );
+        let request = read_message(theirs, Limits::default()).await.unwrap();
+        assert_eq!(request[0], b"", "the delimiter");
+        u64::from_be_bytes(request[1].as_slice().try_into().unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_replay_returns_the_batches_up_to_the_end_marker() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(replay(ours, 5, Limits::default(), 10));
+        assert_eq!(router(&mut theirs).await, 5);
+        for seq in [5u64, 6] {
+            send(
+                &mut theirs,
+                &[b"", b"kv@10.0.0.1@m", &seq.to_be_bytes(), b"p"],
+            )
+            .await;
+        }
+        send(&mut theirs, &[b"", b"", &[0xFF; 8], b""]).await;
+        let batches = task.await.unwrap().unwrap();
+        assert_eq!(
+            batches,
+            [5u64, 6].map(|seq| vec![
+                b"kv@10.0.0.1@m".to_vec(),
+                seq.to_be_bytes().to_vec(),
+                b"p".to_vec()
+            ])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_replay_past_its_bounds_or_from_a_non_router_is_refused() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(replay(ours, 0, Limits::default(), 1));
+        router(&mut theirs).await;
+        for seq in [0u64, 1] {
+            send(&mut theirs, &[b"", b"t", &seq.to_be_bytes(), b"p"]).await;
+        }
+        let err = task.await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), "malformed replay: too many batches");
+
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(replay(ours, 0, Limits::default(), 1));
+        theirs.write_all(&peer_greeting(3, b"NULL")).await.unwrap();
+        theirs.write_all(&ready(b"PUB")).await.unwrap();
+        let err = task.await.unwrap().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the peer is a \"PUB\" socket, not a ROUTER (replay endpoint)"
+        );
     }
 }

@@ -431,13 +431,15 @@ mod tests {
         let custom = serde_json::json!({
             "tokenizer": { "image": "reg/tok:1", "path": "models/qwen3" },
             "eventsPort": 6000,
-            "tokenizeBudget": "20ms"
+            "tokenizeBudget": "20ms",
+            "replayPort": 5558
         });
         assert!(precise(custom).is_ok());
         let errors = precise(serde_json::json!({
             "tokenizer": { "image": " ", "path": "../etc" },
             "eventsPort": 9002,
-            "tokenizeBudget": "2s"
+            "tokenizeBudget": "2s",
+            "replayPort": 70000
         }))
         .unwrap_err();
         insta::assert_yaml_snapshot!(errors);

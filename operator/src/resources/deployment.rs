@@ -215,6 +215,9 @@ pub fn deployment(
         if let Some(budget) = &precise.tokenize_budget {
             args.push(format!("--kv-events-tokenize-budget={budget}"));
         }
+        if let Some(port) = precise.replay_port {
+            args.push(format!("--kv-events-replay-port={port}"));
+        }
         // An image volume: read-only, pulled and cached by the kubelet like
         // any image, with the Pod's pull secrets; no init container copying
         // 11 MB into an emptyDir, and no download from a model hub at start.
@@ -449,6 +452,7 @@ mod tests {
             Some("/var/run/kinference/tokenizer")
         );
         assert_eq!(arg(&pod, "--kv-events-tokenize-budget"), Some("8ms"));
+        assert_eq!(arg(&pod, "--kv-events-replay-port"), Some("5558"));
         let image = volume(&pod, "tokenizer")
             .and_then(|v| v.image.clone())
             .expect("an image volume");
@@ -476,6 +480,7 @@ mod tests {
         let (policy, compiled) = example();
         let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
         assert_eq!(arg(&pod, "--kv-events-port"), None);
+        assert_eq!(arg(&pod, "--kv-events-replay-port"), None);
         assert!(volume(&pod, "tokenizer").is_none());
         assert_eq!(pod.containers[0].ports.as_ref().unwrap().len(), 3);
     }

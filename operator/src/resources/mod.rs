@@ -243,7 +243,8 @@ pub(crate) mod testing {
                 serde_json::from_value(serde_json::json!({
                     "tokenizer": { "image": "reg.example/tok/qwen3:1", "path": "tokenizer" },
                     "eventsPort": 5600,
-                    "tokenizeBudget": "8ms"
+                    "tokenizeBudget": "8ms",
+                    "replayPort": 5558
                 }))
                 .unwrap(),
             ),

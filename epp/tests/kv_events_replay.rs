@@ -1,0 +1,283 @@
+//! Sequence gaps against vLLM's own publisher: `ZmqEventPublisher` from the
+//! vLLM wheel (`bench/peers/install.sh vllm-publisher`), driven by
+//! `fixtures/kv_events/publisher.py`, publishes to the EPP's events port
+//! through a link the test can cut, as a network blip would. While the
+//! link is down the publisher queues what it publishes up to its
+//! high-water mark (vLLM's `hwm`, 2 here) and drops the rest, as it does
+//! in production once 100,000 batches are queued; the next batch that
+//! arrives follows a gap. With a replay port the EPP asks vLLM's replay socket (a ROUTER)
+//! for them and its index is whole again; without one, or when the replay
+//! endpoint is not there, the Pod's index is marked stale.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kinference_epp::endpoints::{EndpointRegistry, EndpointSpec, endpoints_from_specs};
+use kinference_epp::kv_events::Freshness;
+use kinference_epp::kv_events::subscriber::{self, EventStats, Replay};
+use kinference_epp::kv_events::zmtp::Limits;
+use kinference_epp::predict::DestinationState;
+use kinference_testbed::peers::vllm_publisher;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::TcpListener;
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::task::JoinHandle;
+
+const BLOCK_SIZE: usize = 4;
+const WAIT: Duration = Duration::from_secs(20);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A TCP link from `listen` to `to` that can be cut (every connection
+/// closed, nothing accepted) and restored on the same port.
+struct Link {
+    listen: SocketAddr,
+    to: SocketAddr,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Link {
+    async fn up(listen: SocketAddr, to: SocketAddr) -> Link {
+        let mut link = Link {
+            listen,
+            to,
+            task: None,
+        };
+        link.restore().await;
+        link
+    }
+
+    async fn restore(&mut self) {
+        let listener = TcpListener::bind(self.listen).await.unwrap();
+        let to = self.to;
+        self.task = Some(tokio::spawn(async move {
+            // Owned here, so that aborting this task closes them all.
+            let mut open = tokio::task::JoinSet::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                open.spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        }));
+    }
+
+    async fn cut(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+/// vLLM's publisher in a Python process.
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: Lines<BufReader<ChildStdout>>,
+}
+
+impl Publisher {
+    async fn start(endpoint: SocketAddr, replay_port: u16, topic: &str) -> Publisher {
+        let python = tokio::task::spawn_blocking(vllm_publisher)
+            .await
+            .unwrap()
+            .expect("vLLM's publisher (bench/peers/install.sh vllm-publisher)");
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kv_events/publisher.py");
+        let mut child = Command::new(python)
+            .arg(script)
+            .args(["--endpoint", &format!("tcp://{endpoint}")])
+            .args(["--replay", &format!("tcp://*:{replay_port}")])
+            .args(["--topic", topic])
+            .args(["--hwm", "2"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python runs");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut publisher = Publisher {
+            child,
+            stdin,
+            stdout,
+        };
+        assert_eq!(publisher.line().await, "ready");
+        publisher
+    }
+
+    async fn line(&mut self) -> String {
+        let line = tokio::time::timeout(WAIT, self.stdout.next_line())
+            .await
+            .expect("the publisher answers")
+            .unwrap();
+        line.expect("the publisher is running")
+    }
+
+    /// Publishes one batch; returns its sequence number once sent.
+    async fn publish(&mut self, batch: serde_json::Value) -> u64 {
+        let mut line = batch.to_string();
+        line.push('\n');
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+        let answer = self.line().await;
+        let seq = answer.strip_prefix("published ").expect("published <seq>");
+        seq.parse().unwrap()
+    }
+
+    /// Stores blocks `first..first + n`, chained after `first - 1` (none for
+    /// block 1), over tokens that follow from the block numbers.
+    async fn store(&mut self, first: u64, n: u64) -> u64 {
+        let hashes: Vec<u64> = (first..first + n).collect();
+        let tokens: Vec<u64> = (0..n * BLOCK_SIZE as u64)
+            .map(|i| (first - 1) * BLOCK_SIZE as u64 + i)
+            .collect();
+        let parent = (first > 1).then(|| first - 1);
+        self.publish(json!({"stored": {
+            "hashes": hashes, "parent": parent, "tokens": tokens, "block_size": BLOCK_SIZE
+        }}))
+        .await
+    }
+
+    async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// The EPP's events port with one Pod on 127.0.0.1, and vLLM's publisher
+/// behind a link to it.
+struct Setup {
+    state: Arc<DestinationState>,
+    stats: Arc<EventStats>,
+    link: Link,
+    publisher: Publisher,
+    _registry: Arc<EndpointRegistry>,
+}
+
+impl Setup {
+    async fn start(replay: impl FnOnce(u16) -> Option<Replay>) -> Setup {
+        let registry = EndpointRegistry::new(Duration::from_secs(60));
+        let pod = format!("127.0.0.1:{}", free_port());
+        let spec = EndpointSpec::new(pod.clone(), &["m"]);
+        registry.replace_all(endpoints_from_specs([spec]).unwrap());
+        let state = registry.state_at(&pod).unwrap();
+        let stats = Arc::new(EventStats::default());
+        let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events_addr = events.local_addr().unwrap();
+        let replay_port = free_port();
+        tokio::spawn(subscriber::serve(
+            events,
+            Arc::clone(&registry),
+            Arc::clone(&stats),
+            Limits::default(),
+            replay(replay_port),
+        ));
+        let link_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let link = Link::up(link_addr, events_addr).await;
+        let publisher = Publisher::start(link_addr, replay_port, "kv@127.0.0.1@m").await;
+        let mut setup = Setup {
+            state,
+            stats,
+            link,
+            publisher,
+            _registry: registry,
+        };
+        setup.wait_connected().await;
+        setup
+    }
+
+    /// Publishes empty batches until one arrives: a PUB socket drops what
+    /// it publishes before its connection is up.
+    async fn wait_connected(&mut self) {
+        let before = self.stats.messages.get();
+        let deadline = Instant::now() + WAIT;
+        while self.stats.messages.get() == before {
+            assert!(Instant::now() < deadline, "no batch reached the EPP");
+            self.publisher.publish(json!({})).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stores blocks 1..=2, then cuts the link, fills the publisher's
+    /// queue, stores 3..=5 (dropped at the high-water mark), and restores
+    /// the link: the next batch that arrives follows a gap.
+    async fn lose_batches(&mut self) {
+        self.publisher.store(1, 2).await;
+        eventually("blocks 1 and 2", || self.state.kv.len() == 2).await;
+        assert_eq!(self.state.kv.freshness(), Freshness::Live);
+        self.link.cut().await;
+        for _ in 0..4 {
+            self.publisher.publish(json!({})).await;
+        }
+        self.publisher.store(3, 2).await;
+        self.publisher.store(5, 1).await;
+        self.link.restore().await;
+        // The queued batches arrive; the next one shows the gap.
+        self.wait_connected().await;
+        let before = self.stats.messages.get();
+        self.publisher.publish(json!({})).await;
+        eventually("the batch after the gap", || {
+            self.stats.messages.get() > before
+        })
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn batches_lost_in_a_gap_are_replayed_from_vllms_replay_socket() {
+    // Generous: CI runs many test binaries at once on two cores.
+    let replay = |port| Replay {
+        port,
+        timeout: Duration::from_secs(10),
+    };
+    let mut s = Setup::start(|port| Some(replay(port))).await;
+    s.lose_batches().await;
+    eventually("the replayed blocks", || s.state.kv.len() == 5).await;
+    assert_eq!(s.state.kv.freshness(), Freshness::Live);
+    assert!(s.stats.replayed.get() >= 2, "{}", s.stats.replayed.get());
+    assert_eq!(s.stats.gaps.get(), 0);
+    assert_eq!(s.stats.replay_failures.get(), 0);
+    // And it goes on from there: a removal of a replayed block applies.
+    s.publisher.publish(json!({"removed": [5]})).await;
+    eventually("block 5 removed", || s.state.kv.len() == 4).await;
+    assert_eq!(s.state.kv.freshness(), Freshness::Live);
+    s.publisher.stop().await;
+}
+
+#[tokio::test]
+async fn without_a_replay_endpoint_a_gap_marks_the_pod_stale() {
+    for replay in [None, Some(free_port())] {
+        // The second time a replay port where nothing listens.
+        let mut s = Setup::start(|_| replay.map(Replay::on_port)).await;
+        s.lose_batches().await;
+        eventually("the gap", || s.state.kv.freshness() == Freshness::Stale).await;
+        assert_eq!(s.state.kv.len(), 2, "{replay:?}");
+        assert_eq!(s.stats.gaps.get(), 1);
+        assert_eq!(s.stats.replayed.get(), 0);
+        let failures = u64::from(replay.is_some());
+        assert_eq!(s.stats.replay_failures.get(), failures, "{replay:?}");
+        // A cleared cache holds nothing that was missed.
+        s.publisher.publish(json!({"cleared": true})).await;
+        eventually("live again", || s.state.kv.freshness() == Freshness::Live).await;
+        s.publisher.stop().await;
+    }
+}
