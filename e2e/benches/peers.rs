@@ -69,6 +69,7 @@ use kinference_e2e::cluster::TestCluster;
 use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
+use kinference_testbed::free_port;
 use kinference_testbed::http_client::{Answer, HttpClient};
 use kinference_testbed::inference_perf::{self, InferencePerf};
 use kinference_testbed::load::{
@@ -521,7 +522,7 @@ impl Sims {
         let mut peers = Vec::with_capacity(pods);
         let mut addrs = Vec::with_capacity(pods);
         for i in 0..pods {
-            let own = free_local_port()?;
+            let own = free_port()?;
             let child = Command::new(bin)
                 .args(["--port", &own.to_string(), "--model", MODEL])
                 .args(["--max-num-seqs", "4", "--max-model-len", "1000000"])
@@ -582,12 +583,6 @@ impl Sims {
     }
 }
 
-fn free_local_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?
-        .local_addr()?
-        .port())
-}
-
 /// Forwards every connection to `listen` to `to`, until aborted.
 async fn relay(listen: SocketAddr, to: SocketAddr) -> Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(listen)
@@ -645,12 +640,6 @@ struct EppProcess {
     peer: Peer,
     /// Its config and log; removed when it stops.
     dir: PathBuf,
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// The EPP's command line: the same ports and plaintext for all, logs at each

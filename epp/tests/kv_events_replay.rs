@@ -31,11 +31,7 @@ const BLOCK_SIZE: usize = 4;
 const WAIT: Duration = Duration::from_secs(20);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kinference_testbed::free_port().expect("a free port")
 }
 
 async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
@@ -97,7 +93,7 @@ struct Publisher {
 }
 
 impl Publisher {
-    async fn start(endpoint: SocketAddr, replay_port: u16, topic: &str) -> Publisher {
+    async fn start(endpoint: SocketAddr, replay_port: u16, topic: &str, hwm: u32) -> Publisher {
         let python = tokio::task::spawn_blocking(vllm_publisher)
             .await
             .unwrap()
@@ -109,7 +105,7 @@ impl Publisher {
             .args(["--endpoint", &format!("tcp://{endpoint}")])
             .args(["--replay", &format!("tcp://*:{replay_port}")])
             .args(["--topic", topic])
-            .args(["--hwm", "2"])
+            .args(["--hwm", &hwm.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -174,7 +170,13 @@ struct Setup {
 }
 
 impl Setup {
+    /// With the publisher's high-water mark at 2, so that a cut link loses
+    /// batches at once.
     async fn start(replay: impl FnOnce(u16) -> Option<Replay>) -> Setup {
+        Setup::with_hwm(replay, 2).await
+    }
+
+    async fn with_hwm(replay: impl FnOnce(u16) -> Option<Replay>, hwm: u32) -> Setup {
         let registry = EndpointRegistry::new(Duration::from_secs(60));
         let pod = format!("127.0.0.1:{}", free_port());
         let spec = EndpointSpec::new(pod.clone(), &["m"]);
@@ -193,7 +195,7 @@ impl Setup {
         ));
         let link_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let link = Link::up(link_addr, events_addr).await;
-        let publisher = Publisher::start(link_addr, replay_port, "kv@127.0.0.1@m").await;
+        let publisher = Publisher::start(link_addr, replay_port, "kv@127.0.0.1@m", hwm).await;
         let mut setup = Setup {
             state,
             stats,
@@ -280,4 +282,20 @@ async fn without_a_replay_endpoint_a_gap_marks_the_pod_stale() {
         eventually("live again", || s.state.kv.freshness() == Freshness::Live).await;
         s.publisher.stop().await;
     }
+}
+
+#[tokio::test]
+async fn a_flood_from_vllms_publisher_stays_within_the_pods_cache_size() {
+    // vLLM's own high-water mark: nothing is dropped on its side.
+    let mut s = Setup::with_hwm(|_| None, 100_000).await;
+    s.state.kv.set_capacity(1_000);
+    let before = s.stats.messages.get();
+    let flood = json!({"flood": {"batches": 5_000, "blocks": 10}});
+    s.publisher.publish(flood).await;
+    eventually("the flood", || s.stats.messages.get() >= before + 5_000).await;
+    // 50,000 blocks stored, the oldest forgotten past the capacity.
+    assert_eq!(s.state.kv.len(), 1_000);
+    assert_eq!(s.state.kv.freshness(), Freshness::Live);
+    assert_eq!(s.stats.gaps.get(), 0);
+    s.publisher.stop().await;
 }

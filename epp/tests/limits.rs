@@ -3,7 +3,7 @@
 //! bounded by the shared body budget, the streams over it must be answered at
 //! once, and the ones under it must be closed by the idle timeout.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -42,11 +42,7 @@ impl Drop for Epp {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kinference_testbed::free_port().expect("a free port")
 }
 
 /// `endpoint`: the one model server (`ip:port`) serving model `m`.

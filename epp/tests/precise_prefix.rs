@@ -38,11 +38,7 @@ fn pod_ip(i: usize) -> IpAddr {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kinference_testbed::free_port().expect("a free port")
 }
 
 /// A long system prompt of its own for `round`, and a short question.

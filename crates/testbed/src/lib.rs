@@ -16,6 +16,7 @@
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
 //!   checked against (parity tests, fuzzing).
+//! - [`free_port`]: a loopback port nobody listens on, for a test to bind.
 //!
 //! Nothing here is part of the shipped EPP or operator.
 #![forbid(unsafe_code)]
@@ -31,3 +32,11 @@ pub mod peers;
 pub mod proc_status;
 pub mod prom_reference;
 pub mod workload;
+
+/// A port on 127.0.0.1 free a moment ago (the OS picks it), for a test or
+/// benchmark to bind or hand to a process.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
