@@ -1462,9 +1462,23 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         "{accepted:?}"
     );
 
+    // The schema refuses a replay port out of range before the operator.
+    let out_of_range =
+        json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}, "replayPort": 70000});
+    let refused = policies
+        .patch("chat", &PatchParams::default(), &precise(out_of_range))
+        .await;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("replayPort")),
+        "{refused:?}"
+    );
+
     let good = json!({
         "tokenizer": {"image": "reg.example/tok/qwen3:1", "path": "qwen3"},
-        "eventsPort": 5557
+        "eventsPort": 5557,
+        "replayPort": 5558
     });
     policies
         .patch("chat", &PatchParams::default(), &precise(good))
@@ -1486,6 +1500,7 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
     for flag in [
         "--kv-events-port=5557",
         "--kv-events-tokenizer=/var/run/kinference/tokenizer",
+        "--kv-events-replay-port=5558",
     ] {
         assert!(args.contains(&flag.to_string()), "{flag}: {args:?}");
     }
