@@ -21,16 +21,21 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::wire::{self, Message};
-use super::zmtp::{self, Limits};
+use super::zmtp::{self, Limits, ReplayBound};
 use crate::endpoints::EndpointRegistry;
 use crate::metrics::Metrics;
+use crate::predict::DestinationState;
 
 /// Publishers connected at once, at most.
 const MAX_CONNECTIONS: usize = 1024;
 /// Messages decoded ahead of the index.
 const QUEUE: usize = 256;
-/// Batches one replay may return: vLLM buffers 10,000 (`buffer_steps`).
-const MAX_REPLAYED: usize = 10_000;
+/// What one replay may return: vLLM buffers 10,000 batches
+/// (`buffer_steps`); a frame may be 8 MiB, so bytes are bounded too.
+const REPLAY_BOUND: ReplayBound = ReplayBound {
+    batches: 10_000,
+    bytes: 64 << 20,
+};
 
 /// Where the engines' replay endpoints are.
 #[derive(Debug, Clone, Copy)]
@@ -195,12 +200,7 @@ impl Indexer {
         while let Some(frames) = rx.recv().await {
             self.stats.messages.inc_by(1);
             match wire::decode_message(&frames) {
-                Ok(message) => {
-                    if let Some(replay) = self.replay {
-                        self.fill_gap(&message, replay).await;
-                    }
-                    apply(&message, &self.registry, &self.stats);
-                }
+                Ok(message) => self.index(&message).await,
                 Err(e) => {
                     self.stats.malformed.inc_by(1);
                     tracing::debug!(error = %e, "undecodable KV-events message");
@@ -209,16 +209,36 @@ impl Indexer {
         }
     }
 
-    /// If `message` follows a gap in its engine's sequence, asks the
-    /// engine's replay endpoint for the lost batches and applies them.
-    async fn fill_gap(&self, message: &Message, replay: Replay) {
+    /// Applies `message` to every endpoint of the Pod its topic names,
+    /// after the batches a gap before it lost, when they can be replayed.
+    async fn index(&self, message: &Message) {
         let Some(ip) = topic_pod_ip(&message.topic) else {
+            self.stats.unknown_pod.inc_by(1);
             return;
         };
+        let states = self.registry.states_on_ip(ip);
+        if states.is_empty() {
+            self.stats.unknown_pod.inc_by(1);
+            return;
+        }
+        if let Some(replay) = self.replay {
+            self.fill_gap(message, ip, &states, replay).await;
+        }
+        apply(message, &states, &self.stats);
+    }
+
+    /// If `message` follows a gap in its engine's sequence, asks the
+    /// engine's replay endpoint (on `ip`) for the lost batches and applies
+    /// them to `states`.
+    async fn fill_gap(
+        &self,
+        message: &Message,
+        ip: IpAddr,
+        states: &[Arc<DestinationState>],
+        replay: Replay,
+    ) {
         let rank = message.batch.data_parallel_rank;
-        let Some(from) = self
-            .registry
-            .states_on_ip(ip)
+        let Some(from) = states
             .iter()
             .filter_map(|s| s.kv.missed_from(rank, message.seq))
             .min()
@@ -242,8 +262,11 @@ impl Indexer {
                 self.stats.malformed.inc_by(1);
                 continue;
             };
-            if lost.batch.data_parallel_rank == rank && (from..message.seq).contains(&lost.seq) {
-                apply(&lost, &self.registry, &self.stats);
+            if lost.topic == message.topic
+                && lost.batch.data_parallel_rank == rank
+                && (from..message.seq).contains(&lost.seq)
+            {
+                apply(&lost, states, &self.stats);
                 replayed += 1;
             }
         }
@@ -265,18 +288,12 @@ async fn fetch(
 ) -> Result<Vec<Vec<Vec<u8>>>, zmtp::ZmtpError> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let _ = stream.set_nodelay(true);
-    zmtp::replay(stream, from, limits, MAX_REPLAYED).await
+    zmtp::replay(stream, from, limits, REPLAY_BOUND).await
 }
 
-/// Applies one message to every endpoint of the Pod its topic names.
-pub fn apply(message: &Message, registry: &EndpointRegistry, stats: &EventStats) {
-    let states = topic_pod_ip(&message.topic)
-        .map(|ip| registry.states_on_ip(ip))
-        .unwrap_or_default();
-    if states.is_empty() {
-        stats.unknown_pod.inc_by(1);
-        return;
-    }
+/// Applies one message to `states`, the endpoints of the Pod its topic
+/// names.
+fn apply(message: &Message, states: &[Arc<DestinationState>], stats: &EventStats) {
     for state in states {
         let applied = state.kv.apply(message.seq, &message.batch);
         if applied.became_stale {

@@ -197,8 +197,19 @@ const DEALER_OF_ROUTER: Pairing = Pairing {
     wanted: "a ROUTER (replay endpoint)",
 };
 
-/// Greets and exchanges READY as `pairing` says.
+/// Greets and exchanges READY as `pairing` says, within
+/// `limits.handshake_timeout`.
 async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    pairing: &Pairing,
+    limits: Limits,
+) -> Result<(), ZmtpError> {
+    tokio::time::timeout(limits.handshake_timeout, greet(s, pairing))
+        .await
+        .map_err(|_| ZmtpError::Timeout)?
+}
+
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     pairing: &Pairing,
 ) -> Result<(), ZmtpError> {
@@ -246,12 +257,7 @@ pub async fn serve_publisher<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    tokio::time::timeout(
-        limits.handshake_timeout,
-        handshake(&mut stream, &SUB_OF_PUB),
-    )
-    .await
-    .map_err(|_| ZmtpError::Timeout)??;
+    handshake(&mut stream, &SUB_OF_PUB, limits).await?;
     // Subscribe to everything: topics are checked per message.
     stream.write_all(&frame(0, &[0x01])).await?;
     stream.flush().await?;
@@ -292,6 +298,14 @@ where
     }
 }
 
+/// How much one replay may return.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayBound {
+    pub batches: usize,
+    /// All frames together.
+    pub bytes: usize,
+}
+
 /// vLLM's end-of-replay marker: a sequence number of -1.
 const END_OF_REPLAY: [u8; 8] = [0xFF; 8];
 
@@ -302,35 +316,35 @@ const END_OF_REPLAY: [u8; 8] = [0xFF; 8];
 /// The request is an empty delimiter and `from` (8 bytes, big-endian); each
 /// batch comes back as `[delimiter, topic, seq, payload]`, and the end as
 /// `[delimiter, "", -1, ""]`. Bounded as a publisher's connection is, and at
-/// most `max_batches`: a replay that breaks a limit is an error, so a gap
-/// it cannot fill stays a gap.
+/// most `bound.batches` batches of `bound.bytes` bytes in all: a replay that
+/// breaks a limit is an error, so a gap it cannot fill stays a gap.
 pub async fn replay<S>(
     mut stream: S,
     from: u64,
     limits: Limits,
-    max_batches: usize,
+    bound: ReplayBound,
 ) -> Result<Vec<Vec<Vec<u8>>>, ZmtpError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    tokio::time::timeout(
-        limits.handshake_timeout,
-        handshake(&mut stream, &DEALER_OF_ROUTER),
-    )
-    .await
-    .map_err(|_| ZmtpError::Timeout)??;
+    handshake(&mut stream, &DEALER_OF_ROUTER, limits).await?;
     stream.write_all(&frame(FLAG_MORE, b"")).await?;
     stream.write_all(&frame(0, &from.to_be_bytes())).await?;
     stream.flush().await?;
     let mut batches = Vec::new();
+    let mut bytes = 0;
     loop {
         let message = read_message(&mut stream, limits).await?;
+        bytes += message.iter().map(Vec::len).sum::<usize>();
+        if bytes > bound.bytes {
+            return Err(ZmtpError::Malformed("replay: too many bytes"));
+        }
         match message.as_slice() {
             [delimiter, rest @ ..] if delimiter.is_empty() => match rest {
                 [topic, seq, _] if topic.is_empty() && seq[..] == END_OF_REPLAY => {
                     return Ok(batches);
                 }
-                [_, _, _] if batches.len() < max_batches => batches.push(rest.to_vec()),
+                [_, _, _] if batches.len() < bound.batches => batches.push(rest.to_vec()),
                 [_, _, _] => return Err(ZmtpError::Malformed("replay: too many batches")),
                 _ => return Err(ZmtpError::Malformed("replay batch")),
             },
@@ -564,7 +578,11 @@ mod tests {
     #[tokio::test]
     async fn a_replay_returns_the_batches_up_to_the_end_marker() {
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
-        let task = tokio::spawn(replay(ours, 5, Limits::default(), 10));
+        let bound = ReplayBound {
+            batches: 10,
+            bytes: 1 << 20,
+        };
+        let task = tokio::spawn(replay(ours, 5, Limits::default(), bound));
         assert_eq!(router(&mut theirs).await, 5);
         for seq in [5u64, 6] {
             send(
@@ -588,7 +606,11 @@ mod tests {
     #[tokio::test]
     async fn a_replay_past_its_bounds_or_from_a_non_router_is_refused() {
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
-        let task = tokio::spawn(replay(ours, 0, Limits::default(), 1));
+        let one = ReplayBound {
+            batches: 1,
+            bytes: 1 << 20,
+        };
+        let task = tokio::spawn(replay(ours, 0, Limits::default(), one));
         router(&mut theirs).await;
         for seq in [0u64, 1] {
             send(&mut theirs, &[b"", b"t", &seq.to_be_bytes(), b"p"]).await;
@@ -597,7 +619,20 @@ mod tests {
         assert_eq!(err.to_string(), "malformed replay: too many batches");
 
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
-        let task = tokio::spawn(replay(ours, 0, Limits::default(), 1));
+        let small = ReplayBound {
+            batches: 10,
+            bytes: 1_000,
+        };
+        let task = tokio::spawn(replay(ours, 0, Limits::default(), small));
+        router(&mut theirs).await;
+        for seq in [0u64, 1] {
+            send(&mut theirs, &[b"", b"t", &seq.to_be_bytes(), &[7; 600]]).await;
+        }
+        let err = task.await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), "malformed replay: too many bytes");
+
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(replay(ours, 0, Limits::default(), one));
         theirs.write_all(&peer_greeting(3, b"NULL")).await.unwrap();
         theirs.write_all(&ready(b"PUB")).await.unwrap();
         let err = task.await.unwrap().unwrap_err();
