@@ -1285,6 +1285,8 @@ async fn predictions(http: &HttpClient, epp: Option<&EppProcess>) -> Option<Pred
 /// Everything one contender measured.
 struct Report {
     contender: Contender,
+    /// Which rep (from 1) of `--reps`.
+    rep: usize,
     idle_cpu_ms_per_s: Option<f64>,
     rows: Vec<Row>,
     /// (f), when it ran.
@@ -1426,9 +1428,10 @@ impl Bench {
         Ok(())
     }
 
-    fn run_contender(&self, contender: &Contender) -> Report {
+    fn run_contender(&self, contender: &Contender, rep: usize) -> Report {
         let mut report = Report {
             contender: contender.clone(),
+            rep,
             idle_cpu_ms_per_s: None,
             rows: Vec::new(),
             inference_perf: None,
@@ -1803,28 +1806,32 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     );
     for phase in &phases {
-        let rows: Vec<&Row> = reports
+        // Each row with its rep, so that ratios pair rows of one rep even
+        // when a contender is missing from another.
+        let rows: Vec<(usize, &Row)> = reports
             .iter()
-            .flat_map(|r| &r.rows)
-            .filter(|r| &r.phase == phase)
+            .flat_map(|r| r.rows.iter().map(move |row| (r.rep, row)))
+            .filter(|(_, row)| &row.phase == phase)
             .collect();
         let mut names: Vec<&str> = Vec::new();
-        for r in &rows {
+        for (_, r) in &rows {
             if !names.contains(&r.contender) {
                 names.push(r.contender);
             }
         }
-        let reps_of = |name: &str| -> Vec<&Row> {
+        let p90s = |name: &str| -> Vec<(usize, f64)> {
             rows.iter()
-                .copied()
-                .filter(|r| r.contender == name)
+                .filter(|(_, r)| r.contender == name)
+                .map(|(rep, r)| (*rep, ttft(&r.m, 0.9)))
                 .collect()
         };
-        let p90s =
-            |name: &str| -> Vec<f64> { reps_of(name).iter().map(|r| ttft(&r.m, 0.9)).collect() };
         let (reference, rr) = (p90s("gie-default"), p90s("envoy-rr"));
         for name in names {
-            let reps = reps_of(name);
+            let reps: Vec<&Row> = rows
+                .iter()
+                .filter(|(_, r)| r.contender == name)
+                .map(|(_, r)| *r)
+                .collect();
             let of = |f: &dyn Fn(&Row) -> Option<f64>| {
                 median(reps.iter().filter_map(|r| f(r)).collect())
             };
@@ -1838,9 +1845,9 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                 fmt(of(&|r| Some(r.m.measured() as f64)), &|v| format!("{v:.0}")),
                 fmt(of(&|r| Some(r.m.rps())), &|v| format!("{v:.1}")),
                 fmt(of(&|r| Some(ttft(&r.m, 0.5))), &|v| format!("{v:.0}")),
-                fmt(median(p90.clone()), &|v| format!("{v:.0}")),
+                fmt(of(&|r| Some(ttft(&r.m, 0.9))), &|v| format!("{v:.0}")),
                 fmt(of(&|r| Some(ttft(&r.m, 0.99))), &|v| format!("{v:.0}")),
-                range(&p90),
+                range(&p90.iter().map(|(_, v)| *v).collect::<Vec<_>>()),
                 rep_ratios(&p90, &reference),
                 rep_ratios(&p90, &rr),
                 fmt(of(&|r| r.m.out.cache_hit_share()), &|v| format!(
@@ -1891,12 +1898,13 @@ fn range(values: &[f64]) -> String {
 
 /// Rep by rep, `ours[i] / theirs[i]`: the median and the worst (highest),
 /// as `0.52× (0.61×)`.
-fn rep_ratios(ours: &[f64], theirs: &[f64]) -> String {
+fn rep_ratios(ours: &[(usize, f64)], theirs: &[(usize, f64)]) -> String {
     let ratios: Vec<f64> = ours
         .iter()
-        .zip(theirs)
-        .filter(|(_, t)| **t > 0.005)
-        .map(|(o, t)| o / t)
+        .filter_map(|(rep, o)| {
+            let (_, t) = theirs.iter().find(|(r, _)| r == rep)?;
+            (*t > 0.005).then(|| o / t)
+        })
         .collect();
     let worst = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     match median(ratios.clone()) {
@@ -2104,7 +2112,7 @@ fn main() -> Result<()> {
     for rep in 1..=bench.args.reps.max(1) {
         for contender in &contenders {
             eprintln!("[peers] rep {rep}: {}: {}", contender.name, contender.what);
-            reports.push(bench.run_contender(contender));
+            reports.push(bench.run_contender(contender, rep));
         }
     }
     drop(cluster);
