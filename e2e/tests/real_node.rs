@@ -56,6 +56,7 @@ async fn deployment_runs_on_a_real_node_and_teardown_leaves_nothing() -> Result<
                 cluster.log_tail(component, 30)
             );
         }
+        eprintln!("--- disk:\n{}", cluster.disk_free());
     }
     let teardown_start = Instant::now();
     let teardown = cluster.shutdown();

@@ -385,9 +385,22 @@ impl Scenario {
         self.wait_policy_loaded().await?;
         let resumed = eventually("requests to succeed again", || async {
             let sent = gateway.send().await?;
-            Ok((sent.status == 200).then_some(sent))
+            if sent.status == 200 {
+                return Ok(Some(sent));
+            }
+            // An error, so that a timeout reports the last answer.
+            let record = gateway.envoy.access(&sent.id);
+            Err(anyhow!(
+                "the last request got {}: {} ({record:?})",
+                sent.status,
+                sent.body
+            ))
         })
-        .await?;
+        .await;
+        let resumed = match resumed {
+            Ok(sent) => sent,
+            Err(e) => return Err(e.context(gateway.state().await)),
+        };
         gateway.expect_served(&resumed, "pinned", pinned).await?;
         let during = load.stop().await?;
         let failed = during.iter().filter(|s| s.status != 200).count();
@@ -705,6 +718,29 @@ impl Gateway {
 
     async fn send(&self) -> Result<Sent> {
         send(self.envoy.listener(), &self.request).await
+    }
+
+    /// Envoy's log and its connections to the EPP, for failure reports.
+    async fn state(&self) -> String {
+        let clusters = self
+            .envoy
+            .admin_get("/clusters")
+            .await
+            .unwrap_or_else(|e| format!("{e:#}"));
+        let epp: Vec<&str> = clusters
+            .lines()
+            .filter(|l| l.starts_with("epp::"))
+            .collect();
+        let stats = self
+            .envoy
+            .admin_get("/stats?filter=cluster.epp.upstream_")
+            .await
+            .unwrap_or_else(|e| format!("{e:#}"));
+        format!(
+            "Envoy's epp cluster:\n{}\n{stats}\nEnvoy's log:\n{}",
+            epp.join("\n"),
+            self.envoy.log_tail()
+        )
     }
 
     async fn send_many(&self, n: usize) -> Result<Vec<Sent>> {
@@ -1168,4 +1204,5 @@ async fn print_diagnostics(cluster: &RealCluster) {
     ] {
         eprintln!("--- {component}:\n{}", cluster.log_tail(component, 20));
     }
+    eprintln!("--- disk:\n{}", cluster.disk_free());
 }

@@ -7,8 +7,10 @@
 //!   hierarchy, so all Pod cgroups are under it and are removed with it.
 //! - `makeIPTablesUtilChains: false`: no KUBE-* canary chains in the host's
 //!   iptables (nothing here needs them).
-//! - private `--root-dir` and `podLogsDir`; low eviction thresholds and no
-//!   image GC, so a full-ish disk never evicts the test's Pods or images.
+//! - private `--root-dir` and `podLogsDir`; no disk eviction thresholds
+//!   ("0%" turns a signal off) and no image GC. The node shares the host's
+//!   disk with cargo's builds; under 1% free once made the kubelet evict
+//!   the test's Pod and delete its image, and a test node must not.
 
 use std::fs;
 use std::net::IpAddr;
@@ -92,9 +94,10 @@ maxPods: 30
 serializeImagePulls: false
 evictionHard:
   memory.available: 100Mi
-  nodefs.available: 1%
-  nodefs.inodesFree: 1%
-  imagefs.available: 1%
+  nodefs.available: "0%"
+  nodefs.inodesFree: "0%"
+  imagefs.available: "0%"
+  imagefs.inodesFree: "0%"
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 nodeStatusUpdateFrequency: 2s

@@ -278,6 +278,16 @@ impl RealCluster {
         process::log_tail(&self.log_path(component), lines)
     }
 
+    /// Free space and inodes where the node keeps its Pods and images, for
+    /// failure reports: the host's disk is shared with cargo's builds.
+    pub fn disk_free(&self) -> String {
+        let dir = self.dir.to_string_lossy();
+        ["-h", "-i"]
+            .iter()
+            .map(|flag| process::run("df", &[flag, &dir]).unwrap_or_else(|e| format!("{e:#}\n")))
+            .collect()
+    }
+
     /// Import an image archive written by [`write_oci_archive`] into
     /// containerd's `k8s.io` namespace, where the kubelet finds it.
     pub fn import_image(&self, archive: &Path) -> Result<()> {
