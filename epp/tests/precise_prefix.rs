@@ -41,6 +41,14 @@ fn free_port() -> u16 {
     kinference_testbed::free_port().expect("a free port")
 }
 
+/// [`policy`], with ties broken at random instead of in rank order.
+fn policy_random_ties(port: u16) -> String {
+    policy(port).replace(
+        "route: { select: [{ type: Local, maximize: CachedPrefixTokens }] }",
+        "route: { select: [{ type: Local, maximize: CachedPrefixTokens }], tieBreak: Random }",
+    )
+}
+
 /// A long system prompt of its own for `round`, and a short question.
 fn chat(round: usize, question: &str) -> Value {
     let system = format!("round {round}: ").repeat(8)
@@ -278,6 +286,45 @@ async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
     let ranking = &explain[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
     let winner = ranking[0][1].as_str().unwrap_or_default();
     assert!(winner.ends_with(" (events)"), "{ranking}");
+    pool.stop().await;
+}
+
+#[tokio::test]
+async fn a_prefix_routed_moments_ago_counts_before_the_engines_events_say_so() {
+    let pool = Pool::start(Tokenizer::simulator_dummy()).await;
+    let port = pool.sims[0].addr.port();
+    let random_ties = policy_random_ties(port);
+    assert_ne!(random_ties, policy(port));
+    pool.epp.policy().load_text(&random_ties).unwrap();
+    // Every Pod has published: their events, not the EPP's estimate, are
+    // what the picker reads.
+    for i in 0..PODS {
+        pool.warm(i, &chat(100 + i, "warm up")).await;
+    }
+    let url = pool.envoy.url("/v1/chat/completions");
+    // The simulator publishes its events in batches up to a second apart:
+    // the second request of each round is routed before they arrive. Ties
+    // are broken at random, so a picker that waited for the events would
+    // send it to the first one's Pod once in three, all six rounds once in
+    // 729.
+    for round in 0..6 {
+        let (first, second) = (format!("first-{round}"), format!("second-{round}"));
+        post(&pool.http, &url, &chat(10 + round, "first?"), &first).await;
+        let answer = post(&pool.http, &url, &chat(10 + round, "second?"), &second).await;
+        let (first, second) = (
+            access(&pool.envoy, &first).await,
+            access(&pool.envoy, &second).await,
+        );
+        assert_eq!(
+            second.upstream, first.upstream,
+            "round {round}: the prefix was sent to {:?} moments before",
+            first.upstream
+        );
+        let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(cached >= u64::from(BLOCK_SIZE), "round {round}: {answer}");
+    }
     pool.stop().await;
 }
 

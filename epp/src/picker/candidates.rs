@@ -82,7 +82,18 @@ impl CandidateSet {
             let ep = &view.endpoint;
             let state = &view.state;
             let (cached, source, block_size) = match precise.get(i).copied().flatten() {
-                Some((tokens, bs)) => (units.of_events(tokens), PrefixSource::Events, Some(bs)),
+                Some((tokens, bs)) => {
+                    let events = units.of_events(tokens);
+                    // A prompt sent here moments ago is cached before the
+                    // Pod's events say so; counted from this EPP's routes
+                    // (the estimate) until they do.
+                    let routed = units.of_estimate(state.routed.cached_blocks(hashes, now));
+                    if routed > events {
+                        (routed, PrefixSource::Estimate, None)
+                    } else {
+                        (events, PrefixSource::Events, Some(bs))
+                    }
+                }
                 None => {
                     let blocks = state.prefix.cached_blocks(hashes);
                     (units.of_estimate(blocks), PrefixSource::Estimate, None)

@@ -433,8 +433,13 @@ impl Router for Picker {
                 );
                 // Indexing a long prompt costs a few hundred microseconds:
                 // done beside the reply, not before it.
-                local.state.kv.note_routed(Instant::now());
+                let now = Instant::now();
+                local.state.kv.note_routed(now);
                 let (state, hashes) = (local.state, local.prefix_hashes);
+                if local.prefix.is_some_and(|p| p.prompt_tokens.is_some()) {
+                    // Precise mode: the Pod's events will trail this route.
+                    state.routed.record(hashes.as_slice().into(), now);
+                }
                 tokio::spawn(async move { state.prefix.record(&hashes) });
                 let route = Route::Local(LocalRoute {
                     rule: local.rule,

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
+use super::routed::RoutedPrefixes;
 use super::stats::{DestStats, StatsConfig};
 use super::ttft::EndpointTtft;
 use crate::kv_events::PodKvIndex;
@@ -37,6 +38,9 @@ pub struct DestinationState {
     /// What the Pod's engines hold, from their KV events (precise mode);
     /// empty when they publish none.
     pub kv: PodKvIndex,
+    /// Prompts routed here in the last seconds (precise mode: what the
+    /// events have not reported yet).
+    pub routed: RoutedPrefixes,
 }
 
 impl DestinationState {
@@ -56,6 +60,7 @@ impl DestinationState {
             prefix: PrefixCache::new(config.prefix_blocks),
             ttft: EndpointTtft::default(),
             kv,
+            routed: RoutedPrefixes::default(),
         })
     }
 

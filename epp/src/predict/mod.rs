@@ -12,11 +12,14 @@
 //! - [`stats`]: [`DestStats`], time-decayed `ObservedTTFT` and `ErrorRate`,
 //!   in-flight `RunningRequests` guards, load reserved between scrapes and a
 //!   circuit breaker, for local endpoints and providers alike.
+//! - [`routed`]: [`RoutedPrefixes`], the prompts a destination was sent in
+//!   the last seconds, which its KV events have not reported yet.
 //! - [`destination`]: [`DestinationState`], all of the above for one
 //!   destination, owned by the destination itself.
 
 pub mod destination;
 pub mod prefix;
+pub mod routed;
 pub mod stats;
 pub(crate) mod sync;
 pub mod ttft;
@@ -26,5 +29,6 @@ pub use prefix::{
     DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_ENDPOINT, MAX_BLOCKS, PrefixCache, TOKENS_PER_BLOCK,
     block_hashes, block_hashes_bytes, blocks_for_kv_cache,
 };
+pub use routed::RoutedPrefixes;
 pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
 pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};

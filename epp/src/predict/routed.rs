@@ -1,0 +1,153 @@
+//! Prompts routed to one destination in the last moments: what its engine
+//! already holds but has not said yet.
+//!
+//! In precise mode a Pod's KV events are the truth about its cache, but they
+//! trail it. An engine stores a prompt's blocks when it starts the request
+//! and publishes them later: llm-d-inference-sim batches its events for up
+//! to a second, vLLM after the scheduler step, and either then crosses the
+//! network. A second request of the same group routed meanwhile would see
+//! no cached prefix anywhere, be priced as a full prefill, and be sent
+//! wherever the queue is shortest; its TTFT then "beats" the prediction by
+//! the whole prefill and the model learns from a mislabelled sample. So a
+//! Pod remembers what it was sent for [`WINDOW`], and the picker counts the
+//! longer of that and its events.
+//!
+//! Bounded: at most [`MAX_HASHES`] block hashes per destination (64 KiB),
+//! the oldest routes dropped first.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::prefix::MAX_BLOCKS;
+use super::sync::lock;
+
+/// How long a route counts: longer than an engine's event delay plus the
+/// transport (llm-d-inference-sim's batching alone is 1 s), short enough that
+/// the engine has rarely evicted the prompt since.
+pub const WINDOW: Duration = Duration::from_secs(3);
+
+/// Block hashes kept per destination, all routes together.
+const MAX_HASHES: usize = 2 * MAX_BLOCKS;
+
+#[derive(Default)]
+pub struct RoutedPrefixes {
+    routes: Mutex<Routes>,
+}
+
+#[derive(Default)]
+struct Routes {
+    /// Oldest first: (when, the prompt's chained block hashes).
+    recent: VecDeque<(Instant, Arc<[u64]>)>,
+    hashes: usize,
+}
+
+impl Routes {
+    fn expire(&mut self, now: Instant) {
+        while let Some((at, chain)) = self.recent.front() {
+            if now.saturating_duration_since(*at) < WINDOW && self.hashes <= MAX_HASHES {
+                break;
+            }
+            self.hashes -= chain.len();
+            self.recent.pop_front();
+        }
+    }
+}
+
+impl RoutedPrefixes {
+    /// A request with this chain was routed here at `now`.
+    pub fn record(&self, chain: Arc<[u64]>, now: Instant) {
+        if chain.is_empty() || chain.len() > MAX_HASHES {
+            return;
+        }
+        let mut routes = lock(&self.routes);
+        routes.hashes += chain.len();
+        routes.recent.push_back((now, chain));
+        routes.expire(now);
+    }
+
+    /// Leading blocks of `chain` that a route of the last [`WINDOW`] shared.
+    pub fn cached_blocks(&self, chain: &[u64], now: Instant) -> usize {
+        let mut routes = lock(&self.routes);
+        routes.expire(now);
+        routes
+            .recent
+            .iter()
+            .map(|(_, routed)| common_prefix(routed, chain))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Blocks two chains share from the start. The hashes are chained (block i's
+/// hash covers blocks 0..=i), so equal hashes at i mean equal prefixes up to
+/// i and the boundary can be found by bisection.
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    if n == 0 || a[0] != b[0] {
+        return 0;
+    }
+    if a[n - 1] == b[n - 1] {
+        return n;
+    }
+    // Invariant: equal at lo, different at hi.
+    let (mut lo, mut hi) = (0, n - 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid] == b[mid] {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(group: u64, len: u64) -> Arc<[u64]> {
+        // Chained: a block's hash depends on the group and its position, so
+        // two chains of one group share every leading block.
+        (0..len).map(|i| group * 1_000_000 + i).collect()
+    }
+
+    #[test]
+    fn a_recent_route_counts_its_shared_prefix() {
+        let routed = RoutedPrefixes::default();
+        let t0 = Instant::now();
+        routed.record(chain(1, 100), t0);
+        let mut longer: Vec<u64> = chain(1, 120).to_vec();
+        assert_eq!(routed.cached_blocks(&longer, t0), 100);
+        longer[40] = 7;
+        assert_eq!(routed.cached_blocks(&longer[..41], t0), 40);
+        assert_eq!(routed.cached_blocks(&chain(2, 100), t0), 0);
+    }
+
+    #[test]
+    fn a_route_counts_only_within_the_window() {
+        let routed = RoutedPrefixes::default();
+        let t0 = Instant::now();
+        routed.record(chain(1, 100), t0);
+        let within = t0 + WINDOW - Duration::from_millis(1);
+        assert_eq!(routed.cached_blocks(&chain(1, 100), within), 100);
+        assert_eq!(routed.cached_blocks(&chain(1, 100), t0 + WINDOW), 0);
+    }
+
+    #[test]
+    fn memory_is_bounded_oldest_routes_first() {
+        let routed = RoutedPrefixes::default();
+        let t0 = Instant::now();
+        let per = MAX_BLOCKS as u64;
+        for group in 0..5 {
+            routed.record(chain(group, per), t0);
+        }
+        let routes = lock(&routed.routes);
+        assert!(routes.hashes <= MAX_HASHES, "{}", routes.hashes);
+        assert_eq!(routes.recent.len(), 2);
+        drop(routes);
+        assert_eq!(routed.cached_blocks(&chain(0, per), t0), 0);
+        assert_eq!(routed.cached_blocks(&chain(4, per), t0), MAX_BLOCKS);
+    }
+}
