@@ -1,7 +1,8 @@
 //! Prometheus metrics of the EPP (served on `/metrics`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -37,6 +38,9 @@ pub struct Metrics {
     endpoint_running: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     endpoint_kv: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     endpoint_stale: Family<Labels, Gauge>,
+    /// Precise mode only: each Pod's KV-event index state.
+    kv_index: Family<Labels, Gauge>,
+    kv_index_on: AtomicBool,
     policy_info: Family<Labels, Gauge>,
     streams_open: Gauge,
     buffered_body_bytes: Gauge,
@@ -68,6 +72,7 @@ impl Default for Metrics {
         let endpoint_running = Family::default();
         let endpoint_kv = Family::default();
         let endpoint_stale = Family::<Labels, Gauge>::default();
+        let kv_index = Family::<Labels, Gauge>::default();
         let policy_info = Family::<Labels, Gauge>::default();
         let streams_open = Gauge::default();
         let buffered_body_bytes = Gauge::default();
@@ -136,6 +141,11 @@ impl Default for Metrics {
             endpoint_stale.clone(),
         );
         r.register(
+            "kv_events_index",
+            "Precise prefix mode: 1 for each endpoint's KV-event index state (live: used; empty: nothing published yet; stale: events lost and not replayed; silent: nothing published for 10 s since it was sent a request). In every state but live the endpoint's cached prefix is estimated",
+            kv_index.clone(),
+        );
+        r.register(
             "policy_info",
             "The loaded policy (hash label)",
             policy_info.clone(),
@@ -180,6 +190,8 @@ impl Default for Metrics {
             endpoint_running,
             endpoint_kv,
             endpoint_stale,
+            kv_index,
+            kv_index_on: AtomicBool::new(false),
             policy_info,
             streams_open,
             buffered_body_bytes,
@@ -328,13 +340,30 @@ impl Metrics {
             .inc();
     }
 
+    /// Precise mode is on: export each endpoint's KV-event index state.
+    pub fn export_kv_index_states(&self) {
+        self.kv_index_on.store(true, Ordering::Relaxed);
+    }
+
     /// Renders the exposition, refreshing per-endpoint gauges first.
     pub fn render(&self, endpoints: &EndpointRegistry, policy_hash: Option<&str>) -> String {
         self.endpoint_waiting.clear();
         self.endpoint_running.clear();
         self.endpoint_kv.clear();
         self.endpoint_stale.clear();
+        self.kv_index.clear();
+        let kv_index_on = self.kv_index_on.load(Ordering::Relaxed);
+        let now = Instant::now();
         for view in endpoints.snapshot().iter() {
+            if kv_index_on {
+                let state = view.state.kv.usage(now).as_str();
+                let l = labels(&[
+                    ("endpoint", &view.endpoint.name),
+                    ("address", &view.endpoint.address()),
+                    ("state", state),
+                ]);
+                self.kv_index.get_or_create(&l).set(1);
+            }
             let l = labels(&[
                 ("endpoint", &view.endpoint.name),
                 ("address", &view.endpoint.address()),

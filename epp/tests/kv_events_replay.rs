@@ -1,4 +1,4 @@
-//! Sequence gaps against vLLM's own publisher: `ZmqEventPublisher` from the
+//! Sequence gaps and silence against vLLM's own publisher: `ZmqEventPublisher` from the
 //! vLLM wheel (`bench/peers/install.sh vllm-publisher`), driven by
 //! `fixtures/kv_events/publisher.py`, publishes to the EPP's events port
 //! through a link the test can cut, as a network blip would. While the
@@ -7,7 +7,10 @@
 //! in production once 100,000 batches are queued; the next batch that
 //! arrives follows a gap. With a replay port the EPP asks vLLM's replay socket (a ROUTER)
 //! for them and its index is whole again; without one, or when the replay
-//! endpoint is not there, the Pod's index is marked stale.
+//! endpoint is not there, the Pod's index is marked stale. When the
+//! publisher's process stops, the Pod is estimated once it has been silent
+//! for 10 s since it was sent a request, and used again when a new process
+//! publishes.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -16,9 +19,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointRegistry, EndpointSpec, endpoints_from_specs};
-use kinference_epp::kv_events::Freshness;
+use kinference_epp::kv_events::index::SILENCE;
 use kinference_epp::kv_events::subscriber::{self, EventStats, Replay};
 use kinference_epp::kv_events::zmtp::Limits;
+use kinference_epp::kv_events::{Freshness, IndexUse};
+use kinference_epp::metrics::Metrics;
 use kinference_epp::predict::DestinationState;
 use kinference_testbed::peers::vllm_publisher;
 use serde_json::json;
@@ -29,6 +34,7 @@ use tokio::task::JoinHandle;
 
 const BLOCK_SIZE: usize = 4;
 const WAIT: Duration = Duration::from_secs(20);
+const TOPIC: &str = "kv@127.0.0.1@m";
 
 fn free_port() -> u16 {
     kinference_testbed::free_port().expect("a free port")
@@ -154,7 +160,8 @@ impl Publisher {
         .await
     }
 
-    async fn stop(mut self) {
+    /// Ends the process, as an engine that stops.
+    async fn stop(&mut self) {
         let _ = self.child.kill().await;
     }
 }
@@ -166,7 +173,10 @@ struct Setup {
     stats: Arc<EventStats>,
     link: Link,
     publisher: Publisher,
-    _registry: Arc<EndpointRegistry>,
+    registry: Arc<EndpointRegistry>,
+    /// Where a publisher connects (the link) and binds its replay socket.
+    link_addr: SocketAddr,
+    replay_port: u16,
 }
 
 impl Setup {
@@ -195,13 +205,15 @@ impl Setup {
         ));
         let link_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let link = Link::up(link_addr, events_addr).await;
-        let publisher = Publisher::start(link_addr, replay_port, "kv@127.0.0.1@m", hwm).await;
+        let publisher = Publisher::start(link_addr, replay_port, TOPIC, hwm).await;
         let mut setup = Setup {
             state,
             stats,
             link,
             publisher,
-            _registry: registry,
+            registry,
+            link_addr,
+            replay_port,
         };
         setup.wait_connected().await;
         setup
@@ -297,5 +309,56 @@ async fn a_flood_from_vllms_publisher_stays_within_the_pods_cache_size() {
     assert_eq!(s.state.kv.len(), 1_000);
     assert_eq!(s.state.kv.freshness(), Freshness::Live);
     assert_eq!(s.stats.gaps.get(), 0);
+    s.publisher.stop().await;
+}
+
+/// The `state` label of the Pod's `kinference_epp_kv_events_index` gauge.
+fn exported_state(metrics: &Metrics, registry: &EndpointRegistry) -> String {
+    let text = metrics.render(registry, None);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("kinference_epp_kv_events_index{"))
+        .unwrap_or_else(|| panic!("no kv_events_index gauge:\n{text}"));
+    let state = line.split("state=\"").nth(1).expect("a state label");
+    state[..state.find('"').unwrap()].to_owned()
+}
+
+#[tokio::test]
+async fn a_pod_whose_publisher_stopped_is_estimated_until_a_new_one_publishes() {
+    let mut s = Setup::start(|_| None).await;
+    let metrics = Metrics::default();
+    metrics.export_kv_index_states();
+    s.publisher.store(1, 2).await;
+    eventually("blocks 1 and 2", || s.state.kv.len() == 2).await;
+    assert_eq!(exported_state(&metrics, &s.registry), "live");
+
+    // vLLM's publisher process ends; the Pod is then sent a request.
+    s.publisher.stop().await;
+    let routed = Instant::now();
+    s.state.kv.note_routed(routed);
+    assert_eq!(s.state.kv.usage(Instant::now()), IndexUse::Live);
+    assert!(s.state.kv.pool_slots(Instant::now()).is_some());
+    tokio::time::sleep_until((routed + SILENCE).into()).await;
+    eventually("silence", || {
+        s.state.kv.usage(Instant::now()) == IndexUse::Silent
+    })
+    .await;
+    assert!(
+        s.state.kv.pool_slots(Instant::now()).is_none(),
+        "a silent Pod's index is not matched"
+    );
+    assert_eq!(exported_state(&metrics, &s.registry), "silent");
+    assert_eq!(s.state.kv.len(), 2, "what it held is kept");
+
+    // A new process (its batches numbered from 0 again) publishes.
+    s.publisher = Publisher::start(s.link_addr, s.replay_port, TOPIC, 2).await;
+    s.wait_connected().await;
+    s.publisher.store(1, 1).await;
+    eventually("live again", || {
+        s.state.kv.usage(Instant::now()) == IndexUse::Live
+    })
+    .await;
+    assert!(s.state.kv.pool_slots(Instant::now()).is_some());
+    assert_eq!(exported_state(&metrics, &s.registry), "live");
     s.publisher.stop().await;
 }

@@ -253,6 +253,32 @@ pub enum Freshness {
     Stale,
 }
 
+/// Whether the picker may match prompts against a Pod's index now, and if
+/// not, why (it then counts the Pod's prefix from the estimate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexUse {
+    /// Used.
+    Live,
+    /// Nothing published yet.
+    Empty,
+    /// Events were lost and not replayed.
+    Stale,
+    /// Live, but nothing published for [`SILENCE`] since the Pod was sent a
+    /// request: its events have most likely stopped.
+    Silent,
+}
+
+impl IndexUse {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexUse::Live => "live",
+            IndexUse::Empty => "empty",
+            IndexUse::Stale => "stale",
+            IndexUse::Silent => "silent",
+        }
+    }
+}
+
 struct Inner {
     /// Per data-parallel rank (`None`: no data parallelism).
     engines: HashMap<Option<u32>, Engine>,
@@ -273,10 +299,22 @@ impl Inner {
     }
 
     fn usable(&self, now: Instant) -> bool {
-        self.freshness() == Freshness::Live
-            && self
-                .awaiting_since
-                .is_none_or(|t| now.saturating_duration_since(t) < SILENCE)
+        self.usage(now) == IndexUse::Live
+    }
+
+    fn usage(&self, now: Instant) -> IndexUse {
+        match self.freshness() {
+            Freshness::Empty => IndexUse::Empty,
+            Freshness::Stale => IndexUse::Stale,
+            Freshness::Live
+                if self
+                    .awaiting_since
+                    .is_some_and(|t| now.saturating_duration_since(t) >= SILENCE) =>
+            {
+                IndexUse::Silent
+            }
+            Freshness::Live => IndexUse::Live,
+        }
     }
 }
 
@@ -355,6 +393,11 @@ impl PodKvIndex {
 
     pub fn freshness(&self) -> Freshness {
         lock(&self.inner).freshness()
+    }
+
+    /// Whether the picker may use the index at `now`, or why not.
+    pub fn usage(&self, now: Instant) -> IndexUse {
+        lock(&self.inner).usage(now)
     }
 
     /// Where the batches a gap lost begin, if batch `seq` of `rank` would
@@ -509,6 +552,8 @@ mod tests {
         ix.note_routed(t0 + SILENCE / 2);
         assert!(usable(&ix, t0 + SILENCE / 2));
         assert!(!usable(&ix, t0 + SILENCE), "the first request counts");
+        assert_eq!(ix.usage(t0 + SILENCE), IndexUse::Silent);
+        assert_eq!(PodKvIndex::default().usage(t0), IndexUse::Empty);
         ix.apply(1, &batch(vec![]));
         assert!(
             usable(&ix, t0 + SILENCE * 2),

@@ -25,4 +25,4 @@ pub mod tokenize;
 pub mod wire;
 pub mod zmtp;
 
-pub use index::{Applied, Freshness, PodKvIndex, chain_root, token_chain};
+pub use index::{Applied, Freshness, IndexUse, PodKvIndex, chain_root, token_chain};

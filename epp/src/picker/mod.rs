@@ -182,6 +182,7 @@ impl Picker {
     pub fn enable_precise_prefix(&self, tokenizer: PromptTokenizer) {
         let precise = PreciseMode::new(tokenizer);
         precise.register(&self.metrics);
+        self.metrics.export_kv_index_states();
         let _ = self.precise.set(precise);
     }
 
