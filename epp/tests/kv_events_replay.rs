@@ -325,11 +325,22 @@ fn exported_state(metrics: &Metrics, registry: &EndpointRegistry) -> String {
 
 #[tokio::test]
 async fn a_pod_whose_publisher_stopped_is_estimated_until_a_new_one_publishes() {
-    let mut s = Setup::start(|_| None).await;
+    // vLLM's own high-water mark: nothing published here is dropped.
+    let mut s = Setup::with_hwm(|_| None, 100_000).await;
     let metrics = Metrics::default();
     metrics.export_kv_index_states();
     s.publisher.store(1, 2).await;
     eventually("blocks 1 and 2", || s.state.kv.len() == 2).await;
+    // Well ahead of what a new process could lose while it connects, so
+    // that its first batch to arrive reads as a restart, never as a gap.
+    let before = s.stats.messages.get();
+    for _ in 0..50 {
+        s.publisher.publish(json!({})).await;
+    }
+    eventually("the empty batches", || {
+        s.stats.messages.get() >= before + 50
+    })
+    .await;
     assert_eq!(exported_state(&metrics, &s.registry), "live");
 
     // vLLM's publisher process ends; the Pod is then sent a request.
@@ -351,13 +362,15 @@ async fn a_pod_whose_publisher_stopped_is_estimated_until_a_new_one_publishes() 
     assert_eq!(s.state.kv.len(), 2, "what it held is kept");
 
     // A new process (its batches numbered from 0 again) publishes.
-    s.publisher = Publisher::start(s.link_addr, s.replay_port, TOPIC, 2).await;
+    s.publisher = Publisher::start(s.link_addr, s.replay_port, TOPIC, 100_000).await;
     s.wait_connected().await;
     s.publisher.store(1, 1).await;
     eventually("live again", || {
         s.state.kv.usage(Instant::now()) == IndexUse::Live
     })
     .await;
+    // Taken for a restart: the old process's blocks are gone.
+    eventually("only the new block", || s.state.kv.len() == 1).await;
     assert!(s.state.kv.pool_slots(Instant::now()).is_some());
     assert_eq!(exported_state(&metrics, &s.registry), "live");
     s.publisher.stop().await;

@@ -307,10 +307,16 @@ async fn a_prefix_routed_moments_ago_counts_before_the_engines_events_say_so() {
     // are broken at random, so a picker that waited for the events would
     // send it to the first one's Pod once in three, all six rounds once in
     // 729.
+    let mut from_routes = 0;
     for round in 0..6 {
         let (first, second) = (format!("first-{round}"), format!("second-{round}"));
         post(&pool.http, &url, &chat(10 + round, "first?"), &first).await;
         let answer = post(&pool.http, &url, &chat(10 + round, "second?"), &second).await;
+        // Whether the route memory, not the events, decided it.
+        let explain = pool.epp.picker.recent.explain(1);
+        let ranking = &explain[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
+        let winner = ranking[0][1].as_str().unwrap_or_default();
+        from_routes += usize::from(winner.ends_with(" (estimate)"));
         let (first, second) = (
             access(&pool.envoy, &first).await,
             access(&pool.envoy, &second).await,
@@ -325,6 +331,7 @@ async fn a_prefix_routed_moments_ago_counts_before_the_engines_events_say_so() {
             .unwrap_or(0);
         assert!(cached >= u64::from(BLOCK_SIZE), "round {round}: {answer}");
     }
+    assert!(from_routes > 0, "the events came first in every round");
     pool.stop().await;
 }
 

@@ -22,6 +22,10 @@ pub enum Finding {
     /// Same tokens, but the engine had a different prefix cached than the
     /// index predicted.
     CachedTokens,
+    /// Same tokens; the index made no prediction for this answer (its Pod
+    /// was estimated: not live, or routed the prompt before its events
+    /// said so), so there is no cached count to compare.
+    Unindexed,
 }
 
 impl Finding {
@@ -31,6 +35,7 @@ impl Finding {
             Finding::TokenCount => "token_count",
             Finding::BlockSize => "block_size",
             Finding::CachedTokens => "cached_tokens",
+            Finding::Unindexed => "unindexed",
         }
     }
 }
@@ -55,7 +60,7 @@ impl Check {
             return Some(Finding::TokenCount);
         }
         let (Some((predicted, bs)), Some(cached)) = (self.predicted, self.engine_cached) else {
-            return self.engine_prompt.map(|_| Finding::Agree);
+            return self.engine_prompt.map(|_| Finding::Unindexed);
         };
         let bs = u64::from(bs.max(1));
         let prompt = self.engine_prompt.unwrap_or(self.ours);
@@ -94,7 +99,8 @@ impl MismatchWatch {
         }
         self.recent.push_back(finding);
         let same = self.recent.iter().filter(|f| **f == finding).count();
-        if finding == Finding::Agree || self.recent.len() < WINDOW || 2 * same < WINDOW {
+        let disagrees = !matches!(finding, Finding::Agree | Finding::Unindexed);
+        if !disagrees || self.recent.len() < WINDOW || 2 * same < WINDOW {
             return None;
         }
         match self.warned.iter_mut().find(|(f, _)| *f == finding) {
@@ -114,7 +120,7 @@ impl MismatchWatch {
 /// What a systematic finding means, for the operator of the pool.
 pub fn advice(finding: Finding) -> &'static str {
     match finding {
-        Finding::Agree => "",
+        Finding::Agree | Finding::Unindexed => "",
         Finding::TokenCount => {
             "the engine counts prompts in a different number of tokens than --kv-events-tokenizer: \
              its tokenizer.json or chat template is not the served model's, so precise prefix \
@@ -176,7 +182,7 @@ mod tests {
             engine_prompt: Some(engine_prompt),
             engine_cached: Some(0),
         };
-        assert_eq!(unindexed(5).judge(), Some(Finding::Agree));
+        assert_eq!(unindexed(5).judge(), Some(Finding::Unindexed));
         assert_eq!(unindexed(6).judge(), Some(Finding::TokenCount));
     }
 

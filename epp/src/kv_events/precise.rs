@@ -38,7 +38,7 @@ impl PreciseMode {
         self.tokenizer.register(metrics);
         metrics.register_metric(
             "kv_events_checks",
-            "Answers whose reported prompt and cached token counts were compared with precise mode's, by result (agree, token_count: another tokenizer or chat template, block_size, cached_tokens: the index and the engine disagreed)",
+            "Answers whose reported prompt and cached token counts were compared with precise mode's, by result (agree, token_count: another tokenizer or chat template, block_size, cached_tokens: the index and the engine disagreed, unindexed: the tokens agreed and the Pod was estimated, so no cached count was compared)",
             self.checks.clone(),
         );
     }

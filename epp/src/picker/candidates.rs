@@ -88,7 +88,9 @@ impl CandidateSet {
                     // Pod's events say so; counted from this EPP's routes
                     // (the estimate) until they do.
                     let routed = units.of_estimate(state.routed.cached_blocks(hashes, now));
-                    if routed > events {
+                    // By a whole engine block at least: both cover a prompt
+                    // cached whole, rounded differently.
+                    if routed >= events + f64::from(bs) {
                         (routed, PrefixSource::Estimate, None)
                     } else {
                         (events, PrefixSource::Events, Some(bs))

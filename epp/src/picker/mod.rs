@@ -437,7 +437,7 @@ impl Router for Picker {
                 let now = Instant::now();
                 local.state.kv.note_routed(now);
                 let (state, hashes) = (local.state, local.prefix_hashes);
-                if local.prefix.is_some_and(|p| p.prompt_tokens.is_some()) {
+                if self.precise.get().is_some() {
                     // Precise mode: the Pod's events will trail this route.
                     state.routed.record(hashes.as_slice().into(), now);
                 }
