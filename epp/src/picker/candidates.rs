@@ -88,12 +88,14 @@ impl CandidateSet {
                     // Pod's events say so; counted from this EPP's routes
                     // (the estimate) until they do.
                     let routed = units.of_estimate(state.routed.cached_blocks(hashes, now));
-                    // By a whole engine block at least: both cover a prompt
-                    // cached whole, rounded differently.
+                    let cached = events.max(routed);
+                    // Within a block the two agree, rounded differently: the
+                    // answer still checks the events. Beyond it the route
+                    // memory knows what the events do not yet say.
                     if routed >= events + f64::from(bs) {
-                        (routed, PrefixSource::Estimate, None)
+                        (cached, PrefixSource::Estimate, None)
                     } else {
-                        (events, PrefixSource::Events, Some(bs))
+                        (cached, PrefixSource::Events, Some(bs))
                     }
                 }
                 None => {

@@ -149,8 +149,15 @@ pub struct TtftConfig {
     /// How far (1 σ) each coefficient may plausibly be from the prior; sets the
     /// initial covariance and the wind-up cap.
     pub prior_std: TtftCoefficients,
-    /// Upper bounds of the coefficients (lower bound is 0).
+    /// Upper bounds of the coefficients.
     pub max: TtftCoefficients,
+    /// Lower bounds. A queued or running request costs a little at least:
+    /// on a pool whose TTFT barely moves with load until the batch is full
+    /// (llm-d-inference-sim's does not at all), the fit drives those
+    /// coefficients to 0, every idle and busy Pod then predicts the same
+    /// TTFT for a new prefix, and the rank-order tie sends each new group to
+    /// the first Pod until its queue shows.
+    pub min: TtftCoefficients,
     /// Expected TTFT noise as a share of the TTFT; scales the prior
     /// covariance and seeds the residual scale used for outlier clipping.
     pub relative_noise: f64,
@@ -190,6 +197,13 @@ impl Default for TtftConfig {
                 per_token: 0.01,
                 per_kv: 60.0,
             },
+            min: TtftCoefficients {
+                base: 0.0,
+                per_queued: 0.002,
+                per_running: 0.001,
+                per_token: 0.0,
+                per_kv: 0.0,
+            },
             relative_noise: 0.2,
             weight_floor: 0.002,
             forgetting: 0.99,
@@ -203,6 +217,7 @@ impl Default for TtftConfig {
 #[derive(Debug, Clone, Copy)]
 struct Params {
     p0: [f64; DIM],
+    min: [f64; DIM],
     max: [f64; DIM],
     lambda: f64,
     noise: f64,
@@ -233,12 +248,21 @@ impl Params {
         } else {
             0.99
         };
+        let max = c
+            .max
+            .to_internal()
+            .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 });
+        let mut min = c
+            .min
+            .to_internal()
+            .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 });
+        for i in 0..DIM {
+            min[i] = min[i].min(max[i]);
+        }
         Self {
             p0,
-            max: c
-                .max
-                .to_internal()
-                .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 }),
+            min,
+            max,
             lambda,
             noise,
             floor: if c.weight_floor.is_finite() && c.weight_floor > 0.0 {
@@ -293,9 +317,9 @@ impl Rls {
     fn project(&mut self, prm: &Params) {
         for i in 0..DIM {
             self.theta[i] = if self.theta[i].is_finite() {
-                self.theta[i].clamp(0.0, prm.max[i])
+                self.theta[i].clamp(prm.min[i], prm.max[i])
             } else {
-                0.0
+                prm.min[i]
             };
         }
     }
@@ -381,10 +405,10 @@ impl Rls {
             let mut pinned = false;
             for i in 0..DIM {
                 let c = cand[i];
-                if free[i] && !(0.0..=prm.max[i]).contains(&c) {
+                if free[i] && !(prm.min[i]..=prm.max[i]).contains(&c) {
                     // Pin it: it no longer takes part in this observation.
                     theta[i] = if c.is_finite() {
-                        c.clamp(0.0, prm.max[i])
+                        c.clamp(prm.min[i], prm.max[i])
                     } else {
                         theta0[i]
                     };
@@ -855,6 +879,32 @@ mod tests {
                 p.coefficients(e)
             );
         }
+    }
+
+    #[test]
+    fn a_busier_pod_predicts_slower_even_where_load_costs_nothing() {
+        // llm-d-inference-sim's law: the batch does not slow a prefill.
+        let p = TtftPredictor::default();
+        let e = &EndpointTtft::default();
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..500 {
+            let running = rng.random_range(0..4) as f64;
+            let uncached = if rng.random_range(0..10) == 0 {
+                3600.0
+            } else {
+                40.0
+            };
+            let f = TtftFeatures::new(0.0, running, uncached, 0.0, 0.0);
+            p.observe(e, &f, 0.005 + 0.0004 * uncached);
+        }
+        let idle = TtftFeatures::new(0.0, 0.0, 3600.0, 0.0, 0.0);
+        let busy = TtftFeatures::new(0.0, 2.0, 3600.0, 0.0, 0.0);
+        // Not a tie: a tie goes to the first Pod in rank order, every time.
+        assert!(
+            p.predict(e, &busy) > p.predict(e, &idle),
+            "{:?}",
+            p.coefficients(e)
+        );
     }
 
     #[test]
