@@ -355,19 +355,17 @@ impl Metrics {
         let kv_index_on = self.kv_index_on.load(Ordering::Relaxed);
         let now = Instant::now();
         for view in endpoints.snapshot().iter() {
+            let address = view.endpoint.address();
             if kv_index_on {
                 let state = view.state.kv.usage(now).as_str();
                 let l = labels(&[
                     ("endpoint", &view.endpoint.name),
-                    ("address", &view.endpoint.address()),
+                    ("address", &address),
                     ("state", state),
                 ]);
                 self.kv_index.get_or_create(&l).set(1);
             }
-            let l = labels(&[
-                ("endpoint", &view.endpoint.name),
-                ("address", &view.endpoint.address()),
-            ]);
+            let l = labels(&[("endpoint", &view.endpoint.name), ("address", &address)]);
             match &view.metrics {
                 Some(m) => {
                     self.endpoint_waiting.get_or_create(&l).set(m.waiting);

@@ -305,25 +305,30 @@ impl BlockLru {
     /// closure (present(i) ⇒ present(j) for all j < i), so presence is monotone
     /// along the chain and a binary search finds the boundary in O(log n).
     fn longest_prefix(&self, hashes: &[u64]) -> usize {
-        let n = hashes.len();
-        if n == 0 || !self.contains(hashes[0]) {
-            return 0;
-        }
-        if self.contains(hashes[n - 1]) {
-            return n;
-        }
-        // Invariant: hashes[lo] present, hashes[hi] absent.
-        let (mut lo, mut hi) = (0, n - 1);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if self.contains(hashes[mid]) {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        lo + 1
+        leading_run(hashes.len(), |i| self.contains(hashes[i]))
     }
+}
+
+/// How many of `0..n` hold `holds`, given that they are a leading run
+/// (holds(i) implies holds(j) for all j < i): found by bisection.
+pub(super) fn leading_run(n: usize, holds: impl Fn(usize) -> bool) -> usize {
+    if n == 0 || !holds(0) {
+        return 0;
+    }
+    if holds(n - 1) {
+        return n;
+    }
+    // Invariant: holds at lo, not at hi.
+    let (mut lo, mut hi) = (0, n - 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo + 1
 }
 
 /// The prompt prefixes one destination recently received.

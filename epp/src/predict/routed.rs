@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::prefix::MAX_BLOCKS;
+use super::prefix::{MAX_BLOCKS, leading_run};
 use super::sync::lock;
 
 /// How long a route counts: longer than an engine's event delay plus the
@@ -80,27 +80,9 @@ impl RoutedPrefixes {
 }
 
 /// Blocks two chains share from the start. The hashes are chained (block i's
-/// hash covers blocks 0..=i), so equal hashes at i mean equal prefixes up to
-/// i and the boundary can be found by bisection.
+/// hash covers blocks 0..=i), so the shared blocks are a leading run.
 fn common_prefix(a: &[u64], b: &[u64]) -> usize {
-    let n = a.len().min(b.len());
-    if n == 0 || a[0] != b[0] {
-        return 0;
-    }
-    if a[n - 1] == b[n - 1] {
-        return n;
-    }
-    // Invariant: equal at lo, different at hi.
-    let (mut lo, mut hi) = (0, n - 1);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if a[mid] == b[mid] {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    lo + 1
+    leading_run(a.len().min(b.len()), |i| a[i] == b[i])
 }
 
 #[cfg(test)]
