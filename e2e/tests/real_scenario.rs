@@ -11,7 +11,8 @@
 //! InferencePool, reaches the EPP through its Service's ClusterIP and the
 //! Pod the policy chose; a policy edit under load fails no request; a
 //! deleted EPP Pod is replaced and requests resume; a new simulator Pod gets
-//! traffic; printer columns come from the server; deleting the policy lets
+//! traffic; precise prefix mode rolls the EPP out with its tokenizer
+//! mounted from an image volume, and prompts are tokenized; printer columns come from the server; deleting the policy lets
 //! the garbage collector remove everything it owned, and nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,6 +29,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kinference_api::{EppPodStatus, InferencePolicy};
 use kinference_e2e::cluster::yaml_documents_to_json;
+use kinference_e2e::node::images::{ImageConfig, LayerFile};
 use kinference_e2e::node::workspace_images::{self, Dockerfile, repo_root};
 use kinference_e2e::node::{self, RealCluster};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
@@ -138,7 +140,10 @@ fn step(start: Instant, what: &str) {
 
 async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Result<()> {
     // Hundreds of MB written and imported: off the async workers' hands.
-    tokio::task::block_in_place(|| workspace_images::import_all(cluster, release))?;
+    tokio::task::block_in_place(|| {
+        workspace_images::import_all(cluster, release)?;
+        import_tokenizer_image(cluster)
+    })?;
     step(start, "images imported");
     let s = Scenario::new(cluster).await?;
     s.install_operator().await?;
@@ -158,8 +163,13 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     step(start, "policy edited, no request failed");
     s.replace_epp_pod(&gateway, &pinned).await?;
     step(start, "EPP Pod replaced, requests resumed");
-    s.scale_simulators(&gateway, &pods).await?;
+    let pinned = s.scale_simulators(&gateway, &pods).await?;
     step(start, "new simulator Pod served");
+    s.turn_on_precise_prefix(&gateway, &pinned).await?;
+    step(
+        start,
+        "precise prefix mode: the tokenizer image mounted, prompts tokenized",
+    );
     s.check_printer_columns().await?;
     s.delete_policy().await?;
     step(start, "policy deleted, owned objects collected");
@@ -417,8 +427,8 @@ impl Scenario {
     }
 
     /// Scale the simulators to 3: the EPP discovers the new Pod, and a
-    /// policy pinned to it sends traffic there.
-    async fn scale_simulators(&self, gateway: &Gateway, before: &[Pod]) -> Result<()> {
+    /// policy pinned to it sends traffic there. Returns that Pod's name.
+    async fn scale_simulators(&self, gateway: &Gateway, before: &[Pod]) -> Result<String> {
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), DEMO_NS);
         deployments
             .patch(
@@ -438,7 +448,82 @@ impl Scenario {
         self.apply_all(&[pinned_policy(&new)?]).await?;
         self.wait_policy_loaded().await?;
         let sent = gateway.send().await?;
-        gateway.expect_served(&sent, "pinned", &new).await
+        gateway.expect_served(&sent, "pinned", &new).await?;
+        Ok(new)
+    }
+
+    /// Turn on precise prefix mode with the Qwen3 tokenizer image: the
+    /// operator rolls the EPP out with the image as a volume, the kubelet
+    /// mounts it (containerd 2.1+), the EPP loads the 11 MB tokenizer from
+    /// it at start and tokenizes the prompts of requests through the
+    /// gateway. The simulators publish no KV events, so precise mode knows
+    /// each of them as `empty` and routing is unchanged.
+    async fn turn_on_precise_prefix(&self, gateway: &Gateway, pinned: &str) -> Result<()> {
+        let mut policy = pinned_policy(pinned)?;
+        policy["spec"]["endpointPicker"]["precisePrefix"] = json!({
+            "tokenizer": { "image": TOKENIZER_IMAGE, "path": TOKENIZER_PATH },
+            // Debug builds tokenize a short prompt in milliseconds, not
+            // microseconds: the default 5ms budget could refuse some.
+            "tokenizeBudget": "1s",
+        });
+        self.apply_all(&[policy]).await?;
+        let epp = eventually("one EPP Pod, Ready, with the tokenizer volume", || async {
+            let epps = self.ready_epp_pods().await?;
+            let all = self
+                .pods(DEMO_NS)
+                .list(&ListParams::default().labels(&format!(
+                    "{POLICY_LABEL}={POLICY},app.kubernetes.io/name=kinference-epp"
+                )))
+                .await?;
+            let only = (all.items.len() == 1 && epps.len() == 1).then(|| epps[0].clone());
+            Ok(only.filter(|p| tokenizer_volume(p).is_some()))
+        })
+        .await?;
+        let (reference, sub_path) = tokenizer_volume(&epp).context("no tokenizer volume")?;
+        ensure!(
+            reference == TOKENIZER_IMAGE && sub_path.as_deref() == Some(TOKENIZER_PATH),
+            "the EPP Pod mounts {reference} at {sub_path:?}"
+        );
+        self.wait_policy_loaded().await?;
+        gateway.wait_until_serving().await?;
+        let sent = gateway.send_many(3).await?;
+        for sent in &sent {
+            gateway.expect_served(sent, "pinned", pinned).await?;
+        }
+        let metrics = http_get(&format!("{}:9090", pod_ip(&epp)), "/metrics").await?;
+        let tokenized = metric_value(
+            &metrics,
+            "kinference_epp_prompt_tokenizations_total{outcome=\"ok\"}",
+        )
+        .unwrap_or(0.0);
+        ensure!(
+            tokenized >= sent.len() as f64,
+            "{tokenized} prompts tokenized by {} after {} requests:\n{}",
+            epp.name_any(),
+            sent.len(),
+            metrics
+                .lines()
+                .filter(|l| l.contains("tokeniz") || l.contains("kv_events"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        let sims = self.ready_sim_pods(3).await?;
+        for sim in &sims {
+            let line = format!(
+                "kinference_epp_kv_events_index{{endpoint=\"{}\",address=\"{}:8000\",state=\"empty\"}}",
+                sim.name_any(),
+                pod_ip(sim)
+            );
+            ensure!(
+                metric_value(&metrics, &line) == Some(1.0),
+                "no `{line} 1` in the EPP's metrics"
+            );
+        }
+        eprintln!(
+            "  {} mounted {TOKENIZER_IMAGE}, tokenized {tokenized} prompts",
+            epp.name_any()
+        );
+        Ok(())
     }
 
     /// `kubectl get inferencepolicy`: the CRD's printer columns, as the API
@@ -1106,6 +1191,50 @@ fn pinned_policy(pod: &str) -> Result<Value> {
         }),
     );
     Ok(policy)
+}
+
+/// The tokenizer image of precise prefix mode: Qwen3's `tokenizer.json`
+/// (11 MB) and `tokenizer_config.json` (its chat template) under
+/// [`TOKENIZER_PATH`], in an image holding nothing else.
+const TOKENIZER_IMAGE: &str = "kinference.local/tokenizers/qwen3:3.7.2";
+const TOKENIZER_PATH: &str = "qwen3";
+
+fn import_tokenizer_image(cluster: &RealCluster) -> Result<()> {
+    let dir = kinference_testbed::peers::qwen3_tokenizer()?;
+    let files = ["tokenizer.json", "tokenizer_config.json"].map(|name| {
+        LayerFile::host_file(&format!("/{TOKENIZER_PATH}/{name}"), &dir.join(name), 0o644)
+    });
+    cluster.build_image(
+        &workspace_images::normalized_reference(TOKENIZER_IMAGE),
+        &files,
+        &ImageConfig::default(),
+    )?;
+    Ok(())
+}
+
+/// The image and sub-path of a Pod's `tokenizer` image volume.
+fn tokenizer_volume(pod: &Pod) -> Option<(String, Option<String>)> {
+    let spec = pod.spec.as_ref()?;
+    let volume = spec
+        .volumes
+        .as_ref()?
+        .iter()
+        .find(|v| v.name == "tokenizer")?;
+    let reference = volume.image.as_ref()?.reference.clone()?;
+    let mount = spec.containers.iter().find(|c| c.name == "epp")?;
+    let mount = mount
+        .volume_mounts
+        .as_ref()?
+        .iter()
+        .find(|m| m.name == "tokenizer")?;
+    Some((reference, mount.sub_path.clone()))
+}
+
+/// The value of the sample `series` (metric name and labels, as rendered).
+fn metric_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
 /// `(endpoint, address)` of the EPP's per-endpoint staleness gauge.

@@ -1,6 +1,8 @@
-//! containerd (the Debian package) started by hand with everything it writes
-//! in the node's private directory: root, state, socket, runc's state, the
-//! CRI plugin's network namespaces, and CNI configuration.
+//! containerd 2 (built from the Go module proxy by `tools/install-node.sh`)
+//! started by hand with everything it writes in the node's private
+//! directory: root, state, socket, runc's state, the CRI plugin's network
+//! namespaces, and CNI configuration. Version 2.1 or later is what mounts a
+//! Pod's image volumes (the tokenizer of precise prefix mode).
 //!
 //! Settings that matter here (see e2e/README.md):
 //! - `restrict_oom_score_adj = true`: the sandbox lacks CAP_SYS_RESOURCE, so
@@ -9,6 +11,8 @@
 //! - `SystemdCgroup = false`: no systemd here; cgroupfs like the kubelet.
 //! - `netns_mounts_under_state_dir = true`: pod network namespaces are bind
 //!   mounts under the private state dir instead of the global /run/netns.
+//! - `runtime_path` and `BinaryName`: the shim and runc of the node's binary
+//!   directory, never whichever a host's `PATH` finds first.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -48,29 +52,33 @@ impl ContainerdPaths {
     }
 }
 
+/// The binaries one containerd runs.
+pub(crate) struct ContainerdBinaries<'a> {
+    pub containerd: &'a Path,
+    pub shim: &'a Path,
+    pub runc: &'a Path,
+    pub cni_dir: &'a Path,
+}
+
 /// Write the config and start containerd; returns once it answers `ctr version`.
 pub(crate) async fn start(
-    containerd: &Path,
+    bins: &ContainerdBinaries<'_>,
     ctr: &Ctr,
     paths: &ContainerdPaths,
     sandbox_image: &str,
-    cni_bin_dir: &Path,
     log: &Path,
 ) -> Result<NodeProcess> {
     fs::create_dir_all(&paths.dir)?;
     fs::create_dir_all(&paths.cni_conf_dir)?;
-    fs::write(
-        &paths.config,
-        config_toml(paths, sandbox_image, cni_bin_dir),
-    )
-    .with_context(|| format!("writing {}", paths.config.display()))?;
+    fs::write(&paths.config, config_toml(paths, bins, sandbox_image))
+        .with_context(|| format!("writing {}", paths.config.display()))?;
     let args = vec![
         "--config".to_owned(),
         paths.config.display().to_string(),
         "--log-level".to_owned(),
         "info".to_owned(),
     ];
-    let mut process = NodeProcess::spawn("containerd", containerd, &args, log)?;
+    let mut process = NodeProcess::spawn("containerd", bins.containerd, &args, log)?;
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         process.check_alive()?;
@@ -88,14 +96,18 @@ pub(crate) async fn start(
     }
 }
 
-fn config_toml(paths: &ContainerdPaths, sandbox_image: &str, cni_bin_dir: &Path) -> String {
+fn config_toml(
+    paths: &ContainerdPaths,
+    bins: &ContainerdBinaries<'_>,
+    sandbox_image: &str,
+) -> String {
     let dir = paths.dir.display();
     format!(
-        r#"version = 2
+        r#"version = 3
 root = "{dir}/root"
 state = "{dir}/state"
 # Snapshotters that cannot work here only add noise to the log.
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.erofs"]
 
 [grpc]
   address = "{socket}"
@@ -103,32 +115,42 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.internal.v1.opt"]
   path = "{dir}/opt"
 
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{sandbox_image}"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{sandbox_image}"
+
+[plugins."io.containerd.cri.v1.runtime"]
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
   enable_selinux = false
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
 
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
 
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      runtime_path = "{shim}"
 
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
+        BinaryName = "{runc}"
         Root = "{dir}/runc"
 
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{cni_bin}"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{cni_bin}"]
     conf_dir = "{cni_conf}"
     max_conf_num = 1
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 "#,
         socket = paths.socket.display(),
-        cni_bin = cni_bin_dir.display(),
+        shim = bins.shim.display(),
+        runc = bins.runc.display(),
+        cni_bin = bins.cni_dir.display(),
         cni_conf = paths.cni_conf_dir.display(),
     )
 }

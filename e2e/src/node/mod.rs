@@ -45,7 +45,7 @@ use tokio::sync::OnceCell;
 
 use crate::cluster::{FIELD_MANAGER, StartOptions, TestCluster};
 pub use cni::{BRIDGE, CNI_BIN_DIR, NETWORK_NAME, POD_SUBNET};
-use containerd::{ContainerdPaths, Ctr};
+use containerd::{ContainerdBinaries, ContainerdPaths, Ctr};
 pub use images::{
     FileContents, ImageConfig, ImageDigests, LayerFile, binary_with_libraries, write_oci_archive,
 };
@@ -99,6 +99,8 @@ impl NodeBinaries {
             "kube-proxy",
             "kinference-pause",
             "containerd",
+            "containerd-shim-runc-v2",
+            "runc",
             "ctr",
         ] {
             ensure!(
@@ -327,12 +329,17 @@ impl RealCluster {
 
     async fn start_containerd(&mut self, paths: &ContainerdPaths) -> Result<()> {
         cni::write_config(&paths.cni_conf_dir, &self.dir.join("cni/ipam"))?;
+        let bins = ContainerdBinaries {
+            containerd: &self.bins.path("containerd"),
+            shim: &self.bins.path("containerd-shim-runc-v2"),
+            runc: &self.bins.path("runc"),
+            cni_dir: Path::new(CNI_BIN_DIR),
+        };
         let process = containerd::start(
-            &self.bins.path("containerd"),
+            &bins,
             &self.ctr,
             paths,
             PAUSE_IMAGE,
-            Path::new(CNI_BIN_DIR),
             &self.log_path("containerd"),
         )
         .await?;
