@@ -1456,9 +1456,9 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         .await?;
     let (_, accepted) = wait_condition(&policies, "chat", "Accepted", "False").await?;
     ensure!(
-        accepted
-            .message
-            .contains("spec.endpointPicker.precisePrefix.eventsPort: 9090 is taken"),
+        accepted.message.contains(
+            "spec.endpointPicker.precisePrefix.eventsPort: 9090 takes the EPP's own port 9090"
+        ),
         "{accepted:?}"
     );
 
@@ -1475,10 +1475,23 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         "{refused:?}"
     );
 
+    // Ranks past 64 too.
+    let ranks = json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}, "dataParallelSize": 65});
+    let refused = policies
+        .patch("chat", &PatchParams::default(), &precise(ranks))
+        .await;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("dataParallelSize")),
+        "{refused:?}"
+    );
+
     let good = json!({
         "tokenizer": {"image": "reg.example/tok/qwen3:1", "path": "qwen3"},
         "eventsPort": 5557,
-        "replayPort": 5558
+        "replayPort": 5558,
+        "dataParallelSize": 2
     });
     policies
         .patch("chat", &PatchParams::default(), &precise(good))
@@ -1501,17 +1514,26 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         "--kv-events-port=5557",
         "--kv-events-tokenizer=/var/run/kinference/tokenizer",
         "--kv-events-replay-port=5558",
+        "--kv-events-data-parallel-size=2",
     ] {
         assert!(args.contains(&flag.to_string()), "{flag}: {args:?}");
     }
     let services: Api<Service> = Api::namespaced(client.clone(), NS);
     let ports = services.get("chat-epp").await?.spec.and_then(|s| s.ports);
-    assert!(
-        ports
-            .iter()
-            .flatten()
-            .any(|p| p.name.as_deref() == Some("kv-events") && p.port == 5557),
-        "{ports:?}"
+    let events: Vec<(Option<&str>, i32)> = ports
+        .iter()
+        .flatten()
+        .filter(|p| {
+            p.name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("kv-events"))
+        })
+        .map(|p| (p.name.as_deref(), p.port))
+        .collect();
+    assert_eq!(
+        events,
+        [(Some("kv-events"), 5557), (Some("kv-events-1"), 5558)],
+        "one port per data-parallel rank: {ports:?}"
     );
     let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), NS);
     let np = serde_json::to_value(nps.get("chat-epp").await?.spec)?;
@@ -1522,8 +1544,13 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         .find(|r| r["ports"][0]["port"] == 5557)
         .cloned();
     assert_eq!(
-        events.map(|r| r["from"].clone()),
+        events.as_ref().map(|r| r["from"].clone()),
         Some(json!([{"podSelector": {"matchLabels": {"app": "vllm-llama"}}}]))
+    );
+    assert_eq!(
+        events.map(|r| r["ports"][0]["endPort"].clone()),
+        Some(json!(5558)),
+        "both ranks' ports admitted"
     );
     operator.stop().await?;
     Ok(())

@@ -9,6 +9,9 @@ use clap::Parser;
 use kinference_policy::duration::parse_duration;
 use kinference_runtime::{LogArgs, LogFormat};
 
+/// Ranks an engine's events may come from, at most: one events port each.
+pub const MAX_DATA_PARALLEL_SIZE: u16 = 64;
+
 /// Tokenizers of precise prefix mode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEventsTokenizer {
@@ -59,6 +62,12 @@ pub struct Args {
     /// topic `kv@$(POD_IP)@<model>`). Off unless set.
     #[arg(long, value_name = "PORT", requires = "kv_events_tokenizer")]
     pub kv_events_port: Option<u16>,
+    /// The engines' data-parallel size: vLLM's rank `r` publishes to the
+    /// events port + `r` (and replays on the replay port + `r`), so the EPP
+    /// listens on `--kv-events-port` … `--kv-events-port` + size − 1.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "kv_events_port",
+          value_parser = clap::value_parser!(u16).range(1..=MAX_DATA_PARALLEL_SIZE as i64))]
+    pub kv_events_data_parallel_size: u16,
     /// The engines' replay endpoint port (vLLM `--kv-events-config`
     /// `replay_endpoint: tcp://*:PORT`; data-parallel rank r on PORT + r):
     /// after a sequence gap the lost batches are asked for there. Without
@@ -216,6 +225,27 @@ mod tests {
         for bad in ["localhost", "0.0.0.0:9002", ""] {
             assert!(parse(&["--bind-address", bad]).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn data_parallel_ranks_need_the_events_port_and_a_bounded_size() {
+        let events = [
+            "--kv-events-port",
+            "5557",
+            "--kv-events-tokenizer",
+            "simulator-dummy",
+        ];
+        assert_eq!(parse(&events).unwrap().kv_events_data_parallel_size, 1);
+        let ranks = |n: &str| {
+            let mut args = events.to_vec();
+            args.extend(["--kv-events-data-parallel-size", n]);
+            parse(&args).map(|a| a.kv_events_data_parallel_size)
+        };
+        assert_eq!(ranks("4").unwrap(), 4);
+        assert_eq!(ranks("64").unwrap(), 64);
+        assert!(ranks("0").is_err());
+        assert!(ranks("65").is_err());
+        assert!(parse(&["--kv-events-data-parallel-size", "2"]).is_err());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use kinference_epp::k8s;
 use kinference_epp::kv_events::subscriber::Replay;
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
-use kinference_epp::server::{Epp, Settings, bind};
+use kinference_epp::server::{Epp, Settings, bind, bind_events_ports};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
@@ -138,8 +138,10 @@ async fn main() -> anyhow::Result<()> {
         None => None,
     };
     let kv_events = match args.kv_events_port {
-        Some(port) => Some(bind(at(port)).await?),
-        None => None,
+        Some(port) => {
+            bind_events_ports(args.bind_address, port, args.kv_events_data_parallel_size).await?
+        }
+        None => Vec::new(),
     };
     if let Some(choice) = &args.kv_events_tokenizer {
         let tokenizer = match choice {
@@ -154,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(
         address = %args.bind_address,
         kv_events = ?args.kv_events_port,
+        kv_events_ranks = args.kv_events_data_parallel_size,
         kv_events_replay = ?args.kv_events_replay_port,
         grpc = args.grpc_port,
         health = args.grpc_health_port,

@@ -271,20 +271,20 @@ impl Epp {
     /// `shutdown`.
     pub async fn serve_kv_events(
         &self,
-        listener: Option<TcpListener>,
+        listeners: Vec<TcpListener>,
         replay: Option<crate::kv_events::subscriber::Replay>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let Some(listener) = listener else {
+        if listeners.is_empty() {
             shutdown.await;
             return Ok(());
-        };
+        }
         let stats = Arc::new(crate::kv_events::subscriber::EventStats::default());
         stats.register(&self.picker.metrics);
         let registry = Arc::clone(self.registry());
         let limits = crate::kv_events::zmtp::Limits::default();
         tokio::select! {
-            result = crate::kv_events::subscriber::serve(listener, registry, stats, limits, replay) => result?,
+            result = crate::kv_events::subscriber::serve(listeners, registry, stats, limits, replay) => result?,
             () = shutdown => {}
         }
         Ok(())
@@ -347,6 +347,27 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("binding {addr}"))
 }
 
+/// The events ports of precise mode: `first` for data-parallel rank 0 and
+/// `first + r` for rank r, where vLLM's rank r publishes.
+pub async fn bind_events_ports(
+    ip: std::net::IpAddr,
+    first: u16,
+    ranks: u16,
+) -> anyhow::Result<Vec<TcpListener>> {
+    // Checked before anything is bound: a range past the last port is a
+    // setting's error, not a busy port's.
+    first
+        .checked_add(ranks.saturating_sub(1))
+        .with_context(|| {
+            format!("events port {first} + {ranks} data-parallel ranks is past port 65535")
+        })?;
+    let mut listeners = Vec::with_capacity(usize::from(ranks));
+    for port in (0..ranks).map(|rank| first + rank) {
+        listeners.push(bind(SocketAddr::new(ip, port)).await?);
+    }
+    Ok(listeners)
+}
+
 async fn metrics(State(epp): State<Epp>) -> impl IntoResponse {
     let hash = epp.policy().loaded_hash();
     (
@@ -396,4 +417,16 @@ async fn policy(State(epp): State<Epp>) -> impl IntoResponse {
         "loadedHash": epp.policy().loaded_hash(),
         "state": format!("{state:?}"),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn events_ports_stay_below_65536() {
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        let err = bind_events_ports(ip, 65535, 2).await.unwrap_err();
+        assert!(err.to_string().contains("past port 65535"), "{err}");
+    }
 }

@@ -100,6 +100,26 @@ struct Publisher {
 
 impl Publisher {
     async fn start(endpoint: SocketAddr, replay_port: u16, topic: &str, hwm: u32) -> Publisher {
+        let replay = format!("tcp://*:{replay_port}");
+        Publisher::spawn(
+            endpoint,
+            topic,
+            &["--replay", &replay, "--hwm", &hwm.to_string()],
+        )
+        .await
+    }
+
+    /// Rank `rank` of a data-parallel engine, without a replay socket.
+    async fn rank(endpoint: SocketAddr, topic: &str, rank: u32) -> Publisher {
+        Publisher::spawn(
+            endpoint,
+            topic,
+            &["--data-parallel-rank", &rank.to_string()],
+        )
+        .await
+    }
+
+    async fn spawn(endpoint: SocketAddr, topic: &str, args: &[&str]) -> Publisher {
         let python = tokio::task::spawn_blocking(vllm_publisher)
             .await
             .unwrap()
@@ -109,9 +129,8 @@ impl Publisher {
         let mut child = Command::new(python)
             .arg(script)
             .args(["--endpoint", &format!("tcp://{endpoint}")])
-            .args(["--replay", &format!("tcp://*:{replay_port}")])
             .args(["--topic", topic])
-            .args(["--hwm", &hwm.to_string()])
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -197,7 +216,7 @@ impl Setup {
         let events_addr = events.local_addr().unwrap();
         let replay_port = free_port();
         tokio::spawn(subscriber::serve(
-            events,
+            vec![events],
             Arc::clone(&registry),
             Arc::clone(&stats),
             Limits::default(),
@@ -222,13 +241,7 @@ impl Setup {
     /// Publishes empty batches until one arrives: a PUB socket drops what
     /// it publishes before its connection is up.
     async fn wait_connected(&mut self) {
-        let before = self.stats.messages.get();
-        let deadline = Instant::now() + WAIT;
-        while self.stats.messages.get() == before {
-            assert!(Instant::now() < deadline, "no batch reached the EPP");
-            self.publisher.publish(json!({})).await;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        connect(&mut self.publisher, &self.stats).await;
     }
 
     /// Stores blocks 1..=2, then cuts the link, fills the publisher's
@@ -310,6 +323,71 @@ async fn a_flood_from_vllms_publisher_stays_within_the_pods_cache_size() {
     assert_eq!(s.state.kv.freshness(), Freshness::Live);
     assert_eq!(s.stats.gaps.get(), 0);
     s.publisher.stop().await;
+}
+
+/// A data-parallel engine: vLLM's rank r publishes to the events port + r
+/// (its `offset_endpoint_port`), each rank numbering its batches from 0. The
+/// EPP listens on one port per rank and keeps one sequence per rank, so
+/// both ranks' blocks are indexed and neither's numbering resets the other.
+#[tokio::test]
+async fn each_data_parallel_rank_of_vllm_publishes_to_a_port_of_its_own() {
+    let registry = EndpointRegistry::new(Duration::from_secs(60));
+    let pod = format!("127.0.0.1:{}", free_port());
+    registry.replace_all(endpoints_from_specs([EndpointSpec::new(pod.clone(), &["m"])]).unwrap());
+    let state = registry.state_at(&pod).unwrap();
+    let stats = Arc::new(EventStats::default());
+    let (first, listeners) = consecutive_events_ports(2).await;
+    tokio::spawn(subscriber::serve(
+        listeners,
+        Arc::clone(&registry),
+        Arc::clone(&stats),
+        Limits::default(),
+        None,
+    ));
+    // Both are given the same endpoint, as every rank of an engine is.
+    let endpoint = SocketAddr::from(([127, 0, 0, 1], first));
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        let mut publisher = Publisher::rank(endpoint, TOPIC, rank).await;
+        connect(&mut publisher, &stats).await;
+        ranks.push(publisher);
+    }
+    ranks[0].store(1, 2).await;
+    eventually("rank 0's blocks", || state.kv.len() == 2).await;
+    // Rank 1's numbering is behind rank 0's: it must not read as a restart.
+    ranks[1].store(1, 3).await;
+    eventually("rank 1's blocks beside rank 0's", || state.kv.len() == 5).await;
+    ranks[0].store(3, 1).await;
+    eventually("rank 0 going on", || state.kv.len() == 6).await;
+    assert_eq!(state.kv.freshness(), Freshness::Live);
+    assert_eq!(stats.gaps.get(), 0);
+    for mut publisher in ranks {
+        publisher.stop().await;
+    }
+}
+
+/// `n` listeners on consecutive loopback ports, as the EPP binds them.
+async fn consecutive_events_ports(n: u16) -> (u16, Vec<TcpListener>) {
+    let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+    for _ in 0..50 {
+        let first = free_port();
+        if let Ok(listeners) = kinference_epp::server::bind_events_ports(ip, first, n).await {
+            return (first, listeners);
+        }
+    }
+    panic!("no {n} consecutive free ports");
+}
+
+/// Publishes empty batches until one arrives (a PUB socket drops what it
+/// publishes before its connection is up).
+async fn connect(publisher: &mut Publisher, stats: &EventStats) {
+    let before = stats.messages.get();
+    let deadline = Instant::now() + WAIT;
+    while stats.messages.get() == before {
+        assert!(Instant::now() < deadline, "no batch reached the EPP");
+        publisher.publish(json!({})).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The `state` label of the Pod's `kinference_epp_kv_events_index` gauge.

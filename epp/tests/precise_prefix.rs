@@ -125,7 +125,7 @@ impl Pool {
         tokio::spawn({
             let epp = epp.clone();
             async move {
-                epp.serve_kv_events(Some(events), None, std::future::pending())
+                epp.serve_kv_events(vec![events], None, std::future::pending())
                     .await
             }
         });

@@ -123,6 +123,12 @@ pub struct PrecisePrefixSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub events_port: Option<i32>,
+    /// The engines' data-parallel size (vLLM `--data-parallel-size`; default
+    /// 1, at most 64). vLLM's rank `r` publishes to `eventsPort` + `r`, so
+    /// the EPP listens on that many consecutive ports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub data_parallel_size: Option<i32>,
     /// A prompt not tokenized within this time is matched by the estimate
     /// instead (e.g. `5ms`, the default; at most `1s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -154,9 +160,37 @@ pub struct TokenizerSource {
     pub path: Option<String>,
 }
 
+/// Why `first..=last`, one port per data-parallel rank, is not a range of
+/// ports.
+fn port_range_error(first: i32, last: i32, size: i32) -> Option<String> {
+    if !(1..=65535).contains(&first) {
+        Some(format!("{first} is not a port number"))
+    } else if last > 65535 {
+        Some(format!(
+            "{first} + {size} data-parallel ranks goes past port 65535 (rank r uses port {first} + r)"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Data-parallel ranks of one engine, at most (one events port each).
+pub const MAX_DATA_PARALLEL_SIZE: i32 = 64;
+
 impl PrecisePrefixSpec {
     pub fn events_port(&self) -> i32 {
         self.events_port.unwrap_or(DEFAULT_KV_EVENTS_PORT)
+    }
+
+    pub fn data_parallel_size(&self) -> i32 {
+        self.data_parallel_size.unwrap_or(1)
+    }
+
+    /// The EPP's events ports: one per data-parallel rank, from
+    /// [`PrecisePrefixSpec::events_port`] on.
+    pub fn events_ports(&self) -> std::ops::RangeInclusive<i32> {
+        let first = self.events_port();
+        first..=first.saturating_add(self.data_parallel_size().max(1) - 1)
     }
 
     /// What is wrong with the settings, as `path: message` under
@@ -175,18 +209,31 @@ impl PrecisePrefixSpec {
                 ));
             }
         }
-        let port = self.events_port();
-        if !(1..=65535).contains(&port) {
-            errors.push(format!("{at}.eventsPort: {port} is not a port number"));
-        } else if reserved_ports.contains(&port) {
+        let size = self.data_parallel_size();
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&size) {
             errors.push(format!(
-                "{at}.eventsPort: {port} is taken by the EPP's own ports {reserved_ports:?}"
+                "{at}.dataParallelSize: {size} is not between 1 and {MAX_DATA_PARALLEL_SIZE}"
+            ));
+        }
+        let ports = self.events_ports();
+        let (first, last) = (*ports.start(), *ports.end());
+        let ranks = if size > 1 {
+            format!(" (through {last} for {size} data-parallel ranks)")
+        } else {
+            String::new()
+        };
+        if let Some(message) = port_range_error(first, last, size) {
+            errors.push(format!("{at}.eventsPort: {message}"));
+        } else if let Some(taken) = reserved_ports.iter().find(|p| ports.contains(p)) {
+            errors.push(format!(
+                "{at}.eventsPort: {first}{ranks} takes the EPP's own port {taken} (its ports: {reserved_ports:?})"
             ));
         }
         if let Some(port) = self.replay_port
-            && !(1..=65535).contains(&port)
+            && let Some(message) =
+                port_range_error(port, port.saturating_add(size.max(1) - 1), size)
         {
-            errors.push(format!("{at}.replayPort: {port} is not a port number"));
+            errors.push(format!("{at}.replayPort: {message}"));
         }
         if let Some(budget) = &self.tokenize_budget {
             match kinference_policy::duration::parse_duration(budget) {

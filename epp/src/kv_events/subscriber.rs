@@ -145,10 +145,11 @@ pub fn topic_pod_ip(topic: &str) -> Option<IpAddr> {
     ip.parse().ok()
 }
 
-/// Accepts publishers on `listener` and indexes what they send, until the
-/// listener fails.
+/// Accepts publishers on `listeners` (one per data-parallel rank: vLLM's
+/// rank `r` connects to the events port + `r`) and indexes what they send,
+/// until a listener fails.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     registry: Arc<EndpointRegistry>,
     stats: Arc<EventStats>,
     limits: Limits,
@@ -162,7 +163,27 @@ pub async fn serve(
         replay,
     };
     tokio::spawn(indexer.run(rx));
+    // One budget of connections over every port.
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut accepting = tokio::task::JoinSet::new();
+    for listener in listeners {
+        let (tx, stats, slots) = (tx.clone(), Arc::clone(&stats), Arc::clone(&slots));
+        accepting.spawn(accept(listener, tx, stats, slots, limits));
+    }
+    match accepting.join_next().await {
+        Some(Ok(result)) => result,
+        Some(Err(e)) => Err(std::io::Error::other(e)),
+        None => Ok(()),
+    }
+}
+
+async fn accept(
+    listener: TcpListener,
+    tx: mpsc::Sender<Vec<Vec<u8>>>,
+    stats: Arc<EventStats>,
+    slots: Arc<Semaphore>,
+    limits: Limits,
+) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
         let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {

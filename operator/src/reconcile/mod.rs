@@ -443,6 +443,25 @@ mod tests {
         }))
         .unwrap_err();
         insta::assert_yaml_snapshot!(errors);
+        // vLLM's rank r publishes to eventsPort + r: the range counts.
+        let ranks = |events: i32, size: i32, replay: i32| {
+            precise(serde_json::json!({
+                "tokenizer": image("reg/tok:1"),
+                "eventsPort": events,
+                "dataParallelSize": size,
+                "replayPort": replay
+            }))
+        };
+        assert!(ranks(5557, 8, 5600).is_ok());
+        let errors = [
+            ranks(8995, 8, 5600),
+            ranks(65530, 8, 5600),
+            ranks(5557, 8, 65530),
+            ranks(5557, 0, 5600),
+            ranks(5557, 65, 5600),
+        ]
+        .map(|r| r.unwrap_err());
+        insta::assert_yaml_snapshot!("precise_prefix_data_parallel_ports", errors);
     }
 
     #[test]

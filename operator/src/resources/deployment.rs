@@ -212,6 +212,12 @@ pub fn deployment(
     if let Some(precise) = policy.spec.precise_prefix() {
         args.push(format!("--kv-events-port={}", precise.events_port()));
         args.push(format!("--kv-events-tokenizer={TOKENIZER_DIR}"));
+        if precise.data_parallel_size() > 1 {
+            args.push(format!(
+                "--kv-events-data-parallel-size={}",
+                precise.data_parallel_size()
+            ));
+        }
         if let Some(budget) = &precise.tokenize_budget {
             args.push(format!("--kv-events-tokenize-budget={budget}"));
         }
@@ -240,7 +246,11 @@ pub fn deployment(
         port("metrics", EPP_METRICS_PORT),
     ];
     if let Some(precise) = policy.spec.precise_prefix() {
-        ports.push(port("kv-events", precise.events_port()));
+        ports.extend(
+            super::events_ports(precise)
+                .iter()
+                .map(|(name, number)| port(name, *number)),
+        );
     }
 
     let container = Container {
@@ -483,6 +493,26 @@ mod tests {
         assert_eq!(arg(&pod, "--kv-events-replay-port"), None);
         assert!(volume(&pod, "tokenizer").is_none());
         assert_eq!(pod.containers[0].ports.as_ref().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn each_data_parallel_rank_gets_an_events_port() {
+        let (mut policy, compiled) = example_precise();
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert_eq!(arg(&pod, "--kv-events-data-parallel-size"), None);
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.precise_prefix.as_mut().unwrap().data_parallel_size = Some(2);
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert_eq!(arg(&pod, "--kv-events-data-parallel-size"), Some("2"));
+        let events: Vec<(&str, i32)> = pod.containers[0]
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|p| p.name.as_deref().unwrap().starts_with("kv-events"))
+            .map(|p| (p.name.as_deref().unwrap(), p.container_port))
+            .collect();
+        assert_eq!(events, [("kv-events", 5600), ("kv-events-1", 5601)]);
     }
 
     #[test]

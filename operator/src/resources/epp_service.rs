@@ -5,7 +5,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kinference_api::InferencePolicy;
 
 use super::deployment::epp_object_labels;
-use super::{EPP_GRPC_PORT, EPP_METRICS_PORT, Names, epp_selector, object_meta};
+use super::{EPP_GRPC_PORT, EPP_METRICS_PORT, Names, epp_selector, events_ports, object_meta};
 
 pub fn epp_service(policy: &InferencePolicy, names: &Names) -> Service {
     let port = |name: &str, number: i32, app_protocol: Option<&str>| ServicePort {
@@ -25,16 +25,20 @@ pub fn epp_service(policy: &InferencePolicy, names: &Names) -> Service {
                 [
                     // Gateways speak ext_proc (gRPC) to it: appProtocol tells
                     // them to use HTTP/2.
-                    Some(port("grpc", EPP_GRPC_PORT, Some("http2"))),
-                    Some(port("metrics", EPP_METRICS_PORT, None)),
-                    // The model servers publish their KV-cache events here.
+                    port("grpc", EPP_GRPC_PORT, Some("http2")),
+                    port("metrics", EPP_METRICS_PORT, None),
+                ]
+                .into_iter()
+                // The model servers publish their KV-cache events here.
+                .chain(
                     policy
                         .spec
                         .precise_prefix()
-                        .map(|p| port("kv-events", p.events_port(), None)),
-                ]
-                .into_iter()
-                .flatten()
+                        .map(events_ports)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|(name, number)| port(name, *number, None)),
+                )
                 .collect(),
             ),
             ..ServiceSpec::default()
@@ -69,6 +73,28 @@ mod tests {
         assert_eq!(
             names,
             [("grpc", 9002), ("metrics", 9090), ("kv-events", 5600)]
+        );
+    }
+
+    #[test]
+    fn each_data_parallel_rank_has_an_events_port() {
+        let (mut policy, compiled) = example_precise();
+        let precise = policy.spec.endpoint_picker.as_mut().unwrap();
+        precise.precise_prefix.as_mut().unwrap().data_parallel_size = Some(3);
+        let service = desired(&policy, &compiled, &settings()).epp_service;
+        let ports = service.spec.unwrap().ports.unwrap();
+        let events: Vec<(&str, i32)> = ports
+            .iter()
+            .skip(2)
+            .map(|p| (p.name.as_deref().unwrap(), p.port))
+            .collect();
+        assert_eq!(
+            events,
+            [
+                ("kv-events", 5600),
+                ("kv-events-1", 5601),
+                ("kv-events-2", 5602)
+            ]
         );
     }
 }

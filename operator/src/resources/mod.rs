@@ -48,6 +48,19 @@ pub use role::role;
 pub use role_binding::role_binding;
 pub use service_account::service_account;
 
+/// The EPP's events ports, named: `kv-events` for data-parallel rank 0,
+/// `kv-events-<r>` for rank r (vLLM's rank r publishes to the port + r).
+pub fn events_ports(precise: &kinference_api::PrecisePrefixSpec) -> Vec<(String, i32)> {
+    precise
+        .events_ports()
+        .enumerate()
+        .map(|(rank, port)| match rank {
+            0 => ("kv-events".to_string(), port),
+            r => (format!("kv-events-{r}"), port),
+        })
+        .collect()
+}
+
 /// Field manager of every server-side apply the operator sends.
 pub const FIELD_MANAGER: &str = "kinference-operator";
 /// Label naming the provider an ExternalName Service stands for.

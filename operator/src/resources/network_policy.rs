@@ -18,6 +18,7 @@
 //! copying the labels.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::RangeInclusive;
 
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
@@ -87,13 +88,13 @@ pub fn network_policy(
     });
     // A rule with no peers would admit everyone (an absent `from` means all
     // sources): an empty list is no rule, so the port stays closed.
-    let rule = |port: i32, from: Vec<NetworkPolicyPeer>| {
+    let rule = |ports: RangeInclusive<i32>, from: Vec<NetworkPolicyPeer>| {
         (!from.is_empty()).then(|| NetworkPolicyIngressRule {
             from: Some(from),
             ports: Some(vec![NetworkPolicyPort {
-                port: Some(IntOrString::Int(port)),
+                port: Some(IntOrString::Int(*ports.start())),
+                end_port: (ports.end() > ports.start()).then_some(*ports.end()),
                 protocol: Some("TCP".into()),
-                ..NetworkPolicyPort::default()
             }]),
         })
     };
@@ -109,11 +110,12 @@ pub fn network_policy(
             )),
             ..NetworkPolicyPeer::default()
         };
-        rule(p.events_port(), vec![pool])
+        // One port per data-parallel rank.
+        rule(p.events_ports(), vec![pool])
     });
     let ingress: Vec<NetworkPolicyIngressRule> = [
-        rule(EPP_GRPC_PORT, ext_proc_from),
-        rule(EPP_METRICS_PORT, metrics_from),
+        rule(EPP_GRPC_PORT..=EPP_GRPC_PORT, ext_proc_from),
+        rule(EPP_METRICS_PORT..=EPP_METRICS_PORT, metrics_from),
         events,
     ]
     .into_iter()
@@ -229,6 +231,29 @@ mod tests {
         let (policy, compiled) = example();
         let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
         assert_eq!(admitted(&np).len(), 2, "no events rule when off");
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_admitted_to_a_range_of_events_ports() {
+        let (mut policy, compiled) = example_precise();
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.precise_prefix.as_mut().unwrap().data_parallel_size = Some(4);
+        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let spec = serde_json::to_value(np.spec.unwrap()).unwrap();
+        let ports: Vec<&serde_json::Value> = spec["ingress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| &r["ports"][0])
+            .collect();
+        assert_eq!(
+            ports,
+            [
+                &json!({ "port": 9002, "protocol": "TCP" }),
+                &json!({ "port": 9090, "protocol": "TCP" }),
+                &json!({ "port": 5600, "endPort": 5603, "protocol": "TCP" }),
+            ]
+        );
     }
 
     #[test]
