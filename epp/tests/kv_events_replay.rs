@@ -325,6 +325,40 @@ async fn a_flood_from_vllms_publisher_stays_within_the_pods_cache_size() {
     s.publisher.stop().await;
 }
 
+/// A batch the EPP cannot decode, sent by vLLM's publisher thread in its
+/// own framing (topic, next sequence number) with a payload that is not
+/// msgpack (0xc1 is never used): it is counted, the connection stays up,
+/// and since what the batch held is unknown the next batch shows a gap and
+/// the Pod is estimated until its cache is cleared.
+#[tokio::test]
+async fn an_undecodable_batch_from_vllms_publisher_leaves_the_pod_estimated() {
+    let mut s = Setup::start(|_| None).await;
+    s.publisher.store(1, 2).await;
+    eventually("blocks 1 and 2", || s.state.kv.len() == 2).await;
+    let malformed = s.stats.malformed.get();
+    s.publisher.publish(json!({"undecodable": "c1c1c1"})).await;
+    eventually("the batch counted", || {
+        s.stats.malformed.get() == malformed + 1
+    })
+    .await;
+    assert_eq!(s.state.kv.freshness(), Freshness::Live);
+    s.publisher.store(3, 1).await;
+    eventually("the gap it left", || {
+        s.state.kv.freshness() == Freshness::Stale
+    })
+    .await;
+    assert_eq!(s.stats.gaps.get(), 1);
+    assert_eq!(
+        s.stats.refused_connections.get(),
+        0,
+        "the connection is kept"
+    );
+    s.publisher.publish(json!({"cleared": true})).await;
+    eventually("live again", || s.state.kv.freshness() == Freshness::Live).await;
+    assert_eq!(s.state.kv.len(), 0);
+    s.publisher.stop().await;
+}
+
 /// A data-parallel engine: vLLM's rank r publishes to the events port + r
 /// (its `offset_endpoint_port`), each rank numbering its batches from 0. The
 /// EPP listens on one port per rank and keeps one sequence per rank, so
