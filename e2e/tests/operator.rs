@@ -1552,6 +1552,39 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         Some(json!(5558)),
         "both ranks' ports admitted"
     );
+
+    // The engines bind instead: the EPP dials them, and the events ports
+    // leave the Service and the NetworkPolicy (server-side apply prunes).
+    policies
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &precise(json!({"publisherMode": "Bind"})),
+        )
+        .await?;
+    let (names, admitted) = eventually("the EPP dialling the engines", async || {
+        let d = deployments.get("chat-epp").await?;
+        let pod = d.spec.and_then(|s| s.template.spec).context("pod spec")?;
+        let args = pod.containers[0].args.clone().unwrap_or_default();
+        let ports = services.get("chat-epp").await?.spec.and_then(|s| s.ports);
+        let names: Vec<String> = ports
+            .iter()
+            .flatten()
+            .filter_map(|p| p.name.clone())
+            .collect();
+        let np = serde_json::to_value(nps.get("chat-epp").await?.spec)?;
+        let admitted: Vec<Value> = np["ingress"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| r["ports"][0]["port"].clone())
+            .collect();
+        let dialling = args.contains(&"--kv-events-dial".to_string());
+        Ok((dialling && names.len() == 2 && admitted.len() == 2).then_some((names, admitted)))
+    })
+    .await?;
+    assert_eq!(names, ["grpc", "metrics"]);
+    assert_eq!(admitted, [json!(9002), json!(9090)]);
     operator.stop().await?;
     Ok(())
 }

@@ -68,6 +68,12 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 1, requires = "kv_events_port",
           value_parser = clap::value_parser!(u16).range(1..=MAX_DATA_PARALLEL_SIZE as i64))]
     pub kv_events_data_parallel_size: u16,
+    /// Dial mode: the engines bind their publishers (vLLM `endpoint:
+    /// tcp://*:PORT`) and the EPP connects to every Pod of the pool on
+    /// `--kv-events-port` (+ r for rank r) instead of listening, so every
+    /// EPP replica receives every Pod's events.
+    #[arg(long, requires = "kv_events_port")]
+    pub kv_events_dial: bool,
     /// The engines' replay endpoint port (vLLM `--kv-events-config`
     /// `replay_endpoint: tcp://*:PORT`; data-parallel rank r on PORT + r):
     /// after a sequence gap the lost batches are asked for there. Without
@@ -246,6 +252,11 @@ mod tests {
         assert!(ranks("0").is_err());
         assert!(ranks("65").is_err());
         assert!(parse(&["--kv-events-data-parallel-size", "2"]).is_err());
+        let mut dial = events.to_vec();
+        dial.push("--kv-events-dial");
+        assert!(parse(&dial).unwrap().kv_events_dial);
+        assert!(!parse(&events).unwrap().kv_events_dial);
+        assert!(parse(&["--kv-events-dial"]).is_err());
     }
 
     #[test]

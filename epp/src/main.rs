@@ -10,7 +10,7 @@ use kinference_epp::cli::{Args, KvEventsTokenizer};
 use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
-use kinference_epp::kv_events::subscriber::Replay;
+use kinference_epp::kv_events::subscriber::{Replay, Source};
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::server::{Epp, Settings, bind, bind_events_ports};
@@ -137,11 +137,13 @@ async fn main() -> anyhow::Result<()> {
         Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
         None => None,
     };
+    let ranks = args.kv_events_data_parallel_size;
     let kv_events = match args.kv_events_port {
-        Some(port) => {
-            bind_events_ports(args.bind_address, port, args.kv_events_data_parallel_size).await?
-        }
-        None => Vec::new(),
+        Some(port) if args.kv_events_dial => Some(Source::Dial { port, ranks }),
+        Some(port) => Some(Source::Listen(
+            bind_events_ports(args.bind_address, port, ranks).await?,
+        )),
+        None => None,
     };
     if let Some(choice) = &args.kv_events_tokenizer {
         let tokenizer = match choice {
@@ -157,6 +159,7 @@ async fn main() -> anyhow::Result<()> {
         address = %args.bind_address,
         kv_events = ?args.kv_events_port,
         kv_events_ranks = args.kv_events_data_parallel_size,
+        kv_events_dial = args.kv_events_dial,
         kv_events_replay = ?args.kv_events_replay_port,
         grpc = args.grpc_port,
         health = args.grpc_health_port,

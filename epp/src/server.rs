@@ -271,20 +271,20 @@ impl Epp {
     /// `shutdown`.
     pub async fn serve_kv_events(
         &self,
-        listeners: Vec<TcpListener>,
+        source: Option<crate::kv_events::subscriber::Source>,
         replay: Option<crate::kv_events::subscriber::Replay>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        if listeners.is_empty() {
+        let Some(source) = source else {
             shutdown.await;
             return Ok(());
-        }
+        };
         let stats = Arc::new(crate::kv_events::subscriber::EventStats::default());
         stats.register(&self.picker.metrics);
         let registry = Arc::clone(self.registry());
         let limits = crate::kv_events::zmtp::Limits::default();
         tokio::select! {
-            result = crate::kv_events::subscriber::serve(listeners, registry, stats, limits, replay) => result?,
+            result = crate::kv_events::subscriber::serve(source, registry, stats, limits, replay) => result?,
             () = shutdown => {}
         }
         Ok(())

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointRegistry, EndpointSpec, endpoints_from_specs};
 use kinference_epp::kv_events::index::SILENCE;
-use kinference_epp::kv_events::subscriber::{self, EventStats, Replay};
+use kinference_epp::kv_events::subscriber::{self, EventStats, Replay, Source};
 use kinference_epp::kv_events::zmtp::Limits;
 use kinference_epp::kv_events::{Freshness, IndexUse};
 use kinference_epp::metrics::Metrics;
@@ -101,25 +101,18 @@ struct Publisher {
 impl Publisher {
     async fn start(endpoint: SocketAddr, replay_port: u16, topic: &str, hwm: u32) -> Publisher {
         let replay = format!("tcp://*:{replay_port}");
-        Publisher::spawn(
-            endpoint,
-            topic,
-            &["--replay", &replay, "--hwm", &hwm.to_string()],
-        )
-        .await
+        let args = ["--replay", &replay, "--hwm", &hwm.to_string()];
+        Publisher::spawn(&format!("tcp://{endpoint}"), topic, &args).await
     }
 
-    /// Rank `rank` of a data-parallel engine, without a replay socket.
-    async fn rank(endpoint: SocketAddr, topic: &str, rank: u32) -> Publisher {
-        Publisher::spawn(
-            endpoint,
-            topic,
-            &["--data-parallel-rank", &rank.to_string()],
-        )
-        .await
+    /// Rank `rank` of a data-parallel engine, without a replay socket;
+    /// `endpoint` as vLLM's config has it (`tcp://*:PORT` binds).
+    async fn rank(endpoint: &str, topic: &str, rank: u32) -> Publisher {
+        let rank = rank.to_string();
+        Publisher::spawn(endpoint, topic, &["--data-parallel-rank", &rank]).await
     }
 
-    async fn spawn(endpoint: SocketAddr, topic: &str, args: &[&str]) -> Publisher {
+    async fn spawn(endpoint: &str, topic: &str, args: &[&str]) -> Publisher {
         let python = tokio::task::spawn_blocking(vllm_publisher)
             .await
             .unwrap()
@@ -128,7 +121,7 @@ impl Publisher {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kv_events/publisher.py");
         let mut child = Command::new(python)
             .arg(script)
-            .args(["--endpoint", &format!("tcp://{endpoint}")])
+            .args(["--endpoint", endpoint])
             .args(["--topic", topic])
             .args(args)
             .stdin(Stdio::piped())
@@ -216,7 +209,7 @@ impl Setup {
         let events_addr = events.local_addr().unwrap();
         let replay_port = free_port();
         tokio::spawn(subscriber::serve(
-            vec![events],
+            Source::Listen(vec![events]),
             Arc::clone(&registry),
             Arc::clone(&stats),
             Limits::default(),
@@ -372,17 +365,17 @@ async fn each_data_parallel_rank_of_vllm_publishes_to_a_port_of_its_own() {
     let stats = Arc::new(EventStats::default());
     let (first, listeners) = consecutive_events_ports(2).await;
     tokio::spawn(subscriber::serve(
-        listeners,
+        Source::Listen(listeners),
         Arc::clone(&registry),
         Arc::clone(&stats),
         Limits::default(),
         None,
     ));
     // Both are given the same endpoint, as every rank of an engine is.
-    let endpoint = SocketAddr::from(([127, 0, 0, 1], first));
+    let endpoint = format!("tcp://127.0.0.1:{first}");
     let mut ranks = Vec::new();
     for rank in 0..2 {
-        let mut publisher = Publisher::rank(endpoint, TOPIC, rank).await;
+        let mut publisher = Publisher::rank(&endpoint, TOPIC, rank).await;
         connect(&mut publisher, &stats).await;
         ranks.push(publisher);
     }
@@ -397,6 +390,76 @@ async fn each_data_parallel_rank_of_vllm_publishes_to_a_port_of_its_own() {
     assert_eq!(stats.gaps.get(), 0);
     for mut publisher in ranks {
         publisher.stop().await;
+    }
+}
+
+/// Dial mode: the engine's ranks bind (vLLM `endpoint: tcp://*:PORT`, rank
+/// r on PORT + r) and each EPP replica connects to every Pod on each rank's
+/// port, so two replicas both index both ranks' blocks. A Pod that leaves
+/// the registry is no longer subscribed to.
+#[tokio::test]
+async fn in_dial_mode_every_epp_replica_subscribes_to_every_rank_of_vllm() {
+    let (first, listeners) = consecutive_events_ports(2).await;
+    drop(listeners); // the publishers bind them
+    let endpoint = format!("tcp://*:{first}");
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        ranks.push(Publisher::rank(&endpoint, TOPIC, rank).await);
+    }
+    let replicas = [Replica::dialing(first, 2), Replica::dialing(first, 2)];
+    for replica in &replicas {
+        for publisher in &mut ranks {
+            connect(publisher, &replica.stats).await;
+        }
+    }
+    ranks[0].store(1, 2).await;
+    ranks[1].store(1, 3).await;
+    for (i, replica) in replicas.iter().enumerate() {
+        let what = format!("replica {i} holding both ranks' blocks");
+        eventually(&what, || replica.state.kv.len() == 5).await;
+        assert_eq!(replica.state.kv.freshness(), Freshness::Live);
+        assert_eq!(replica.stats.gaps.get(), 0);
+    }
+
+    // The Pod leaves replica 0: its subscriptions close, replica 1's stay.
+    replicas[0].registry.replace_all(Vec::new());
+    let before = replicas[0].stats.messages.get();
+    ranks[0].store(3, 1).await;
+    eventually("replica 1 going on", || replicas[1].state.kv.len() == 6).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(replicas[0].stats.messages.get(), before, "still subscribed");
+    for mut publisher in ranks {
+        publisher.stop().await;
+    }
+}
+
+/// One EPP replica's registry (one Pod on 127.0.0.1) and events, dialling.
+struct Replica {
+    registry: Arc<EndpointRegistry>,
+    state: Arc<DestinationState>,
+    stats: Arc<EventStats>,
+}
+
+impl Replica {
+    fn dialing(port: u16, ranks: u16) -> Replica {
+        let registry = EndpointRegistry::new(Duration::from_secs(60));
+        let pod = format!("127.0.0.1:{}", free_port());
+        let spec = EndpointSpec::new(pod.clone(), &["m"]);
+        registry.replace_all(endpoints_from_specs([spec]).unwrap());
+        let state = registry.state_at(&pod).unwrap();
+        let stats = Arc::new(EventStats::default());
+        tokio::spawn(subscriber::serve(
+            Source::Dial { port, ranks },
+            Arc::clone(&registry),
+            Arc::clone(&stats),
+            Limits::default(),
+            None,
+        ));
+        Replica {
+            registry,
+            state,
+            stats,
+        }
     }
 }
 

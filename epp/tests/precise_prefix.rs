@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::kv_events::Freshness;
+use kinference_epp::kv_events::subscriber::Source;
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::server::Epp;
 use kinference_epp::server::Settings;
@@ -125,8 +126,12 @@ impl Pool {
         tokio::spawn({
             let epp = epp.clone();
             async move {
-                epp.serve_kv_events(vec![events], None, std::future::pending())
-                    .await
+                epp.serve_kv_events(
+                    Some(Source::Listen(vec![events])),
+                    None,
+                    std::future::pending(),
+                )
+                .await
             }
         });
 

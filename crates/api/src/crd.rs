@@ -106,6 +106,16 @@ pub struct EndpointPickerSpec {
     pub precise_prefix: Option<PrecisePrefixSpec>,
 }
 
+/// How the engines' KV-event publishers and the EPP meet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PublisherMode {
+    /// The engines connect to the EPP Service; the EPP listens.
+    #[default]
+    Connect,
+    /// The engines bind; the EPP connects to each Pod.
+    Bind,
+}
+
 /// The events port, vLLM's default publisher port.
 pub const DEFAULT_KV_EVENTS_PORT: i32 = 5557;
 
@@ -123,6 +133,14 @@ pub struct PrecisePrefixSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub events_port: Option<i32>,
+    /// How the engines' publishers open their socket. `Connect` (the
+    /// default): each engine connects to the EPP Service (vLLM `endpoint:
+    /// tcp://<policy>-epp.<namespace>.svc:<eventsPort>`), so its events
+    /// reach one EPP replica. `Bind`: each engine binds (vLLM `endpoint:
+    /// tcp://*:<eventsPort>`) and every EPP replica connects to every Pod of
+    /// the pool, so each replica sees every engine's events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher_mode: Option<PublisherMode>,
     /// The engines' data-parallel size (vLLM `--data-parallel-size`; default
     /// 1, at most 64). vLLM's rank `r` publishes to `eventsPort` + `r`, so
     /// the EPP listens on that many consecutive ports.
@@ -182,6 +200,15 @@ impl PrecisePrefixSpec {
         self.events_port.unwrap_or(DEFAULT_KV_EVENTS_PORT)
     }
 
+    pub fn publisher_mode(&self) -> PublisherMode {
+        self.publisher_mode.unwrap_or_default()
+    }
+
+    /// The EPP listens for the engines (they connect to its Service).
+    pub fn epp_listens(&self) -> bool {
+        self.publisher_mode() == PublisherMode::Connect
+    }
+
     pub fn data_parallel_size(&self) -> i32 {
         self.data_parallel_size.unwrap_or(1)
     }
@@ -224,7 +251,9 @@ impl PrecisePrefixSpec {
         };
         if let Some(message) = port_range_error(first, last, size) {
             errors.push(format!("{at}.eventsPort: {message}"));
-        } else if let Some(taken) = reserved_ports.iter().find(|p| ports.contains(p)) {
+        } else if let Some(taken) = reserved_ports.iter().find(|p| ports.contains(p))
+            && self.epp_listens()
+        {
             errors.push(format!(
                 "{at}.eventsPort: {first}{ranks} takes the EPP's own port {taken} (its ports: {reserved_ports:?})"
             ));

@@ -15,6 +15,7 @@
 //! - [`index`]: [`PodKvIndex`], one Pod's engines' blocks re-hashed into our
 //!   own token chain, with sequence tracking and bounded memory.
 
+mod dial;
 pub mod hf;
 pub mod index;
 pub mod mismatch;

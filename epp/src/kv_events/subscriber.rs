@@ -1,4 +1,5 @@
-//! The events port: engines connect and publish; each message is decoded
+//! The events port: engines connect and publish (or, in dial mode, bind
+//! and the EPP connects to each Pod: `super::dial`); each message is decoded
 //! and applied to the index of the Pod its topic names
 //! (`kv@<pod-ip>@<model>`, the topic vLLM's docs and llm-d use).
 //!
@@ -79,6 +80,9 @@ pub struct EventStats {
     pub malformed_events: Counter,
     /// Connections refused or ended by a protocol error.
     pub refused_connections: Counter,
+    /// Dial mode: connections to a Pod's publisher that could not be made
+    /// (retried with backoff).
+    pub dial_failures: Counter,
 }
 
 impl EventStats {
@@ -131,6 +135,11 @@ impl EventStats {
                 "refused_connections",
                 "KV-event connections refused or ended by a protocol error",
             ),
+            (
+                &self.dial_failures,
+                "dial_failures",
+                "Connections to a Pod's KV-event publisher that could not be made (dial mode; retried)",
+            ),
         ];
         for (counter, name, help) in counters {
             metrics.register_counter(&format!("kv_events_{name}"), help, counter.clone());
@@ -145,11 +154,22 @@ pub fn topic_pod_ip(topic: &str) -> Option<IpAddr> {
     ip.parse().ok()
 }
 
-/// Accepts publishers on `listeners` (one per data-parallel rank: vLLM's
-/// rank `r` connects to the events port + `r`) and indexes what they send,
-/// until a listener fails.
+/// Where the engines' events come in.
+pub enum Source {
+    /// The engines connect (vLLM `endpoint: tcp://<epp-service>:PORT`):
+    /// one listener per data-parallel rank (rank `r` connects to the port +
+    /// `r`). Each engine reaches one EPP replica.
+    Listen(Vec<TcpListener>),
+    /// The engines bind (vLLM `endpoint: tcp://*:PORT`) and the EPP connects
+    /// to every Pod of the pool on `port` + `r` for each rank `r` below
+    /// `ranks`: every EPP replica receives every Pod's events.
+    Dial { port: u16, ranks: u16 },
+}
+
+/// Indexes what the engines publish through `source`, until a listener
+/// fails (dial mode runs until it is dropped).
 pub async fn serve(
-    listeners: Vec<TcpListener>,
+    source: Source,
     registry: Arc<EndpointRegistry>,
     stats: Arc<EventStats>,
     limits: Limits,
@@ -157,12 +177,28 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let (tx, rx) = mpsc::channel(QUEUE);
     let indexer = Indexer {
-        registry,
+        registry: Arc::clone(&registry),
         stats: Arc::clone(&stats),
         limits,
         replay,
     };
     tokio::spawn(indexer.run(rx));
+    match source {
+        Source::Listen(listeners) => listen(listeners, tx, stats, limits).await,
+        Source::Dial { port, ranks } => {
+            super::dial::dial(registry, port, ranks, tx, stats, limits).await;
+            Ok(())
+        }
+    }
+}
+
+/// Accepts publishers on every listener until one fails.
+async fn listen(
+    listeners: Vec<TcpListener>,
+    tx: mpsc::Sender<Vec<Vec<u8>>>,
+    stats: Arc<EventStats>,
+    limits: Limits,
+) -> std::io::Result<()> {
     // One budget of connections over every port.
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut accepting = tokio::task::JoinSet::new();
@@ -193,19 +229,28 @@ async fn accept(
         let _ = stream.set_nodelay(true);
         let (tx, stats) = (tx.clone(), Arc::clone(&stats));
         tokio::spawn(async move {
-            match zmtp::serve_publisher(stream, limits, tx).await {
-                Ok(d) => {
-                    let n = d.oversized + d.too_many_frames;
-                    stats.dropped.inc_by(n);
-                }
-                Err(e) => {
-                    stats.refused_connections.inc_by(1);
-                    tracing::warn!(%peer, error = %e, "KV-events connection ended");
-                }
+            if let Err(e) = forward(stream, limits, tx, &stats).await {
+                stats.refused_connections.inc_by(1);
+                tracing::warn!(%peer, error = %e, "KV-events connection ended");
             }
             drop(permit);
         });
     }
+}
+
+/// Sends what one publisher's connection carries to the indexer until it
+/// ends, counting the messages the limits dropped.
+pub(super) async fn forward(
+    stream: tokio::net::TcpStream,
+    limits: Limits,
+    tx: mpsc::Sender<Vec<Vec<u8>>>,
+    stats: &EventStats,
+) -> Result<(), zmtp::ZmtpError> {
+    let dropped = zmtp::serve_publisher(stream, limits, tx).await?;
+    stats
+        .dropped
+        .inc_by(dropped.oversized + dropped.too_many_frames);
+    Ok(())
 }
 
 /// The one task that applies messages to the indexes.

@@ -453,6 +453,11 @@ mod tests {
             }))
         };
         assert!(ranks(5557, 8, 5600).is_ok());
+        // When the engines bind, the port is theirs, not the EPP's.
+        let bind = serde_json::json!({
+            "tokenizer": image("reg/tok:1"), "eventsPort": 9090, "publisherMode": "Bind"
+        });
+        assert!(precise(bind).is_ok());
         let errors = [
             ranks(8995, 8, 5600),
             ranks(65530, 8, 5600),

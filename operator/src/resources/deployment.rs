@@ -212,6 +212,9 @@ pub fn deployment(
     if let Some(precise) = policy.spec.precise_prefix() {
         args.push(format!("--kv-events-port={}", precise.events_port()));
         args.push(format!("--kv-events-tokenizer={TOKENIZER_DIR}"));
+        if !precise.epp_listens() {
+            args.push("--kv-events-dial".into());
+        }
         if precise.data_parallel_size() > 1 {
             args.push(format!(
                 "--kv-events-data-parallel-size={}",
@@ -513,6 +516,28 @@ mod tests {
             .map(|p| (p.name.as_deref().unwrap(), p.container_port))
             .collect();
         assert_eq!(events, [("kv-events", 5600), ("kv-events-1", 5601)]);
+    }
+
+    #[test]
+    fn when_the_engines_bind_the_epp_dials_them_and_opens_no_events_port() {
+        let (mut policy, compiled) = example_precise();
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        assert!(
+            !pod.containers[0]
+                .args
+                .as_ref()
+                .unwrap()
+                .contains(&"--kv-events-dial".into())
+        );
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.precise_prefix.as_mut().unwrap().publisher_mode =
+            Some(kinference_api::PublisherMode::Bind);
+        let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
+        let args = pod.containers[0].args.as_ref().unwrap();
+        assert!(args.contains(&"--kv-events-dial".into()), "{args:?}");
+        assert_eq!(arg(&pod, "--kv-events-port"), Some("5600"));
+        assert_eq!(pod.containers[0].ports.as_ref().unwrap().len(), 3);
+        assert!(volume(&pod, "tokenizer").is_some());
     }
 
     #[test]

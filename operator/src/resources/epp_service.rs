@@ -77,6 +77,16 @@ mod tests {
     }
 
     #[test]
+    fn when_the_engines_bind_the_service_has_no_events_port() {
+        let (mut policy, compiled) = example_precise();
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.precise_prefix.as_mut().unwrap().publisher_mode =
+            Some(kinference_api::PublisherMode::Bind);
+        let service = desired(&policy, &compiled, &settings()).epp_service;
+        assert_eq!(service.spec.unwrap().ports.unwrap().len(), 2);
+    }
+
+    #[test]
     fn each_data_parallel_rank_has_an_events_port() {
         let (mut policy, compiled) = example_precise();
         let precise = policy.spec.endpoint_picker.as_mut().unwrap();

@@ -50,7 +50,11 @@ pub use service_account::service_account;
 
 /// The EPP's events ports, named: `kv-events` for data-parallel rank 0,
 /// `kv-events-<r>` for rank r (vLLM's rank r publishes to the port + r).
+/// None when the engines bind and the EPP connects to them.
 pub fn events_ports(precise: &kinference_api::PrecisePrefixSpec) -> Vec<(String, i32)> {
+    if !precise.epp_listens() {
+        return Vec::new();
+    }
     precise
         .events_ports()
         .enumerate()

@@ -99,20 +99,24 @@ pub fn network_policy(
         })
     };
     // The model servers: the pool's Pods, in the policy's namespace.
-    let events = policy.spec.precise_prefix().and_then(|p| {
-        let pool = NetworkPolicyPeer {
-            pod_selector: Some(match_labels(
-                compiled
-                    .pool
-                    .selector
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str())),
-            )),
-            ..NetworkPolicyPeer::default()
-        };
-        // One port per data-parallel rank.
-        rule(p.events_ports(), vec![pool])
-    });
+    let events = policy
+        .spec
+        .precise_prefix()
+        .filter(|p| p.epp_listens())
+        .and_then(|p| {
+            let pool = NetworkPolicyPeer {
+                pod_selector: Some(match_labels(
+                    compiled
+                        .pool
+                        .selector
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str())),
+                )),
+                ..NetworkPolicyPeer::default()
+            };
+            // One port per data-parallel rank.
+            rule(p.events_ports(), vec![pool])
+        });
     let ingress: Vec<NetworkPolicyIngressRule> = [
         rule(EPP_GRPC_PORT..=EPP_GRPC_PORT, ext_proc_from),
         rule(EPP_METRICS_PORT..=EPP_METRICS_PORT, metrics_from),
@@ -231,6 +235,17 @@ mod tests {
         let (policy, compiled) = example();
         let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
         assert_eq!(admitted(&np).len(), 2, "no events rule when off");
+    }
+
+    #[test]
+    fn when_the_engines_bind_no_one_is_admitted_to_an_events_port() {
+        let (mut policy, compiled) = example_precise();
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.precise_prefix.as_mut().unwrap().publisher_mode =
+            Some(kinference_api::PublisherMode::Bind);
+        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let ports: Vec<i64> = admitted(&np).into_iter().map(|(port, _)| port).collect();
+        assert_eq!(ports, [9002, 9090]);
     }
 
     #[test]
