@@ -187,6 +187,10 @@ struct Args {
     /// 8,16,24 in full mode).
     #[arg(long, value_delimiter = ',')]
     prefix_rates: Vec<f64>,
+    /// The Poisson rates of workload (g), the hot group (default: 16 in
+    /// full mode).
+    #[arg(long, value_delimiter = ',')]
+    hot_rates: Vec<f64>,
     /// Runs every contender this many times, in turn (rep-major, so that a
     /// drift of the machine hits all alike); the open-loop tables give
     /// medians over reps and each rep's ratio to the reference.
@@ -665,6 +669,11 @@ fn epp_command(
             if let Some(c) = config {
                 cmd.arg("--policy-file").arg(c);
             }
+            // Each decision's candidates and values, for looking into a
+            // result (appended to the file this names).
+            if let Some(log) = std::env::var_os("KINFERENCE_BENCH_DECISION_LOG") {
+                cmd.arg("--decision-log").arg(log);
+            }
             if let Some(port) = kv_events {
                 cmd.args(["--kv-events-port", &port.to_string()])
                     .args(["--kv-events-tokenizer", "simulator-dummy"]);
@@ -1030,6 +1039,13 @@ impl Plan {
     fn with_prefix_rates(mut self, rates: &[f64]) -> Plan {
         if !rates.is_empty() {
             self.open_rates[0] = rates.to_vec();
+        }
+        self
+    }
+
+    fn with_hot_rates(mut self, rates: &[f64]) -> Plan {
+        if !rates.is_empty() {
+            self.open_rates[3] = rates.to_vec();
         }
         self
     }
@@ -2096,7 +2112,9 @@ fn main() -> Result<()> {
     })?;
     let http = HttpClient::new(256, Duration::from_secs(120))?;
     let bench = Bench {
-        plan: Plan::new(args.mode).with_prefix_rates(&args.prefix_rates),
+        plan: Plan::new(args.mode)
+            .with_prefix_rates(&args.prefix_rates)
+            .with_hot_rates(&args.hot_rates),
         binaries,
         kubeconfig: cluster.kubeconfig_path().to_path_buf(),
         port,
