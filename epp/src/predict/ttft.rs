@@ -156,7 +156,12 @@ pub struct TtftConfig {
     /// (llm-d-inference-sim's does not at all), the fit drives those
     /// coefficients to 0, every idle and busy Pod then predicts the same
     /// TTFT for a new prefix, and the rank-order tie sends each new group to
-    /// the first Pod until its queue shows.
+    /// the first Pod until its queue shows. Prefill is never faster than
+    /// 100,000 tokens a second: a Pod the prefix index wrongly thinks cold
+    /// answers a "6,000 uncached tokens" request in cached time, and enough
+    /// of those (outliers above a prediction are clipped, below it they are
+    /// not) drove the coefficient to 0, so an idle Pod without the prefix
+    /// tied with the one holding it and groups were scattered.
     pub min: TtftCoefficients,
     /// Expected TTFT noise as a share of the TTFT; scales the prior
     /// covariance and seeds the residual scale used for outlier clipping.
@@ -201,7 +206,7 @@ impl Default for TtftConfig {
                 base: 0.0,
                 per_queued: 0.002,
                 per_running: 0.001,
-                per_token: 0.0,
+                per_token: 1.0 / 100_000.0,
                 per_kv: 0.0,
             },
             relative_noise: 0.2,
@@ -905,6 +910,33 @@ mod tests {
             "{:?}",
             p.coefficients(e)
         );
+    }
+
+    /// The bench's failure: a Pod holding every prefix, which the prefix
+    /// index (wrongly) thinks cold for some requests, answers every one of
+    /// those "6,000 uncached tokens" requests in cached time. The prefill
+    /// cost must not fit to nothing: an idle Pod without the prefix still
+    /// predicts slower than a busy one holding it.
+    #[test]
+    fn requests_mislabelled_as_uncached_do_not_make_prefill_free() {
+        let p = TtftPredictor::default();
+        let e = &EndpointTtft::default();
+        let mut rng = StdRng::seed_from_u64(8);
+        for _ in 0..2000 {
+            let running = rng.random_range(0..4) as f64;
+            let labelled = if rng.random_range(0..10) == 0 {
+                6000.0
+            } else {
+                40.0
+            };
+            let f = TtftFeatures::new(0.0, running, labelled, 0.0, 0.0);
+            p.observe(e, &f, 0.025 + 0.0004 * 40.0);
+        }
+        let cold = TtftFeatures::new(0.0, 0.0, 6000.0, 0.0, 0.0);
+        let cached_and_busy = TtftFeatures::new(0.0, 4.0, 40.0, 0.0, 0.0);
+        let (cold, busy) = (p.predict(e, &cold), p.predict(e, &cached_and_busy));
+        assert!(cold >= 0.06, "{cold}: {:?}", p.coefficients(e));
+        assert!(cold > busy, "{cold} vs {busy}: {:?}", p.coefficients(e));
     }
 
     #[test]
