@@ -670,7 +670,8 @@ fn epp_command(
                 cmd.arg("--policy-file").arg(c);
             }
             // Each decision's candidates and values, for looking into a
-            // result (appended to the file this names).
+            // result (every contender and rep of the run appends to the
+            // file this names; the policy hash and times tell them apart).
             if let Some(log) = std::env::var_os("KINFERENCE_BENCH_DECISION_LOG") {
                 cmd.arg("--decision-log").arg(log);
             }

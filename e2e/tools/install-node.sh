@@ -18,7 +18,7 @@
 # Output contract: the LAST line on stdout is a directory holding symlinks
 # to every binary (kube-apiserver, etcd, kubelet, kube-controller-manager,
 # kube-scheduler, kube-proxy, kinference-pause, containerd,
-# containerd-shim-runc-v2, ctr, runc), e.g. /root/.cache/kinference/bin/node-k8s-v1.36.3-etcd-v3.6.16.
+# containerd-shim-runc-v2, ctr, runc), e.g. /root/.cache/kinference/bin/node-k8s-v1.36.3-etcd-v3.6.16-containerd-v2.4.2.
 # CNI plugins are not linked: they are in /usr/lib/cni. Progress goes to stderr;
 # a warm run prints only the directory.
 #
@@ -217,7 +217,9 @@ install_system_packages
 # silent and quick when they are cached).
 K8S_DIR="$(KINFERENCE_K8S_EXTRA_COMPONENTS="${NODE_COMPONENTS[*]}" LOG_TAG=install-node \
   bash "$(dirname "${BASH_SOURCE[0]}")/install-k8s.sh" | tail -n 1)"
-NODE_DIR="$(dirname "${K8S_DIR}")/node-$(basename "${K8S_DIR}")"
+# Named for every pinned version, so that a new pin gets a new directory
+# instead of re-linking one a running cluster may be using.
+NODE_DIR="$(dirname "${K8S_DIR}")/node-$(basename "${K8S_DIR}")-containerd-${CONTAINERD_VERSION}"
 if [[ ! -x "${PAUSE_BIN}" ]] || ! have_containerd; then
   take_build_lock
   setup_go_env

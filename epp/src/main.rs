@@ -13,7 +13,7 @@ use kinference_epp::k8s;
 use kinference_epp::kv_events::subscriber::{Replay, Source};
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
-use kinference_epp::server::{Epp, Settings, bind, bind_events_ports};
+use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, check_events_ports};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
@@ -139,7 +139,10 @@ async fn main() -> anyhow::Result<()> {
     };
     let ranks = args.kv_events_data_parallel_size;
     let kv_events = match args.kv_events_port {
-        Some(port) if args.kv_events_dial => Some(Source::Dial { port, ranks }),
+        Some(port) if args.kv_events_dial => {
+            check_events_ports(port, ranks)?;
+            Some(Source::Dial { port, ranks })
+        }
         Some(port) => Some(Source::Listen(
             bind_events_ports(args.bind_address, port, ranks).await?,
         )),

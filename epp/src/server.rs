@@ -347,6 +347,17 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("binding {addr}"))
 }
 
+/// Checks that `ranks` events ports from `first` on exist: a range past the
+/// last port is a setting's error, found at start in either mode.
+pub fn check_events_ports(first: u16, ranks: u16) -> anyhow::Result<()> {
+    first
+        .checked_add(ranks.saturating_sub(1))
+        .map(drop)
+        .with_context(|| {
+            format!("events port {first} + {ranks} data-parallel ranks is past port 65535")
+        })
+}
+
 /// The events ports of precise mode: `first` for data-parallel rank 0 and
 /// `first + r` for rank r, where vLLM's rank r publishes.
 pub async fn bind_events_ports(
@@ -354,13 +365,8 @@ pub async fn bind_events_ports(
     first: u16,
     ranks: u16,
 ) -> anyhow::Result<Vec<TcpListener>> {
-    // Checked before anything is bound: a range past the last port is a
-    // setting's error, not a busy port's.
-    first
-        .checked_add(ranks.saturating_sub(1))
-        .with_context(|| {
-            format!("events port {first} + {ranks} data-parallel ranks is past port 65535")
-        })?;
+    // Before anything is bound: a busy port is another error.
+    check_events_ports(first, ranks)?;
     let mut listeners = Vec::with_capacity(usize::from(ranks));
     for port in (0..ranks).map(|rank| first + rank) {
         listeners.push(bind(SocketAddr::new(ip, port)).await?);

@@ -395,23 +395,32 @@ async fn each_data_parallel_rank_of_vllm_publishes_to_a_port_of_its_own() {
 
 /// Dial mode: the engine's ranks bind (vLLM `endpoint: tcp://*:PORT`, rank
 /// r on PORT + r) and each EPP replica connects to every Pod on each rank's
-/// port, so two replicas both index both ranks' blocks. A Pod that leaves
-/// the registry is no longer subscribed to.
+/// port, so two replicas both index both ranks' blocks. The replicas start
+/// first, as an EPP usually does, and keep retrying until the engines are
+/// up. A Pod that leaves the registry is no longer subscribed to.
 #[tokio::test]
 async fn in_dial_mode_every_epp_replica_subscribes_to_every_rank_of_vllm() {
     let (first, listeners) = consecutive_events_ports(2).await;
     drop(listeners); // the publishers bind them
+    let replicas = [Replica::dialing(first, 2), Replica::dialing(first, 2)];
     let endpoint = format!("tcp://*:{first}");
     let mut ranks = Vec::new();
     for rank in 0..2 {
         ranks.push(Publisher::rank(&endpoint, TOPIC, rank).await);
     }
-    let replicas = [Replica::dialing(first, 2), Replica::dialing(first, 2)];
     for replica in &replicas {
+        eventually("both ranks subscribed to", || {
+            replica.stats.subscriptions.get() == 2
+        })
+        .await;
         for publisher in &mut ranks {
             connect(publisher, &replica.stats).await;
         }
     }
+    assert!(
+        replicas.iter().all(|r| r.stats.dial_failures.get() > 0),
+        "no retry"
+    );
     ranks[0].store(1, 2).await;
     ranks[1].store(1, 3).await;
     for (i, replica) in replicas.iter().enumerate() {
@@ -423,11 +432,15 @@ async fn in_dial_mode_every_epp_replica_subscribes_to_every_rank_of_vllm() {
 
     // The Pod leaves replica 0: its subscriptions close, replica 1's stay.
     replicas[0].registry.replace_all(Vec::new());
+    eventually("replica 0 unsubscribed", || {
+        replicas[0].stats.subscriptions.get() == 0
+    })
+    .await;
     let before = replicas[0].stats.messages.get();
     ranks[0].store(3, 1).await;
     eventually("replica 1 going on", || replicas[1].state.kv.len() == 6).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(replicas[0].stats.messages.get(), before, "still subscribed");
+    assert_eq!(replicas[1].stats.subscriptions.get(), 2);
     for mut publisher in ranks {
         publisher.stop().await;
     }

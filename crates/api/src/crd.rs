@@ -106,7 +106,12 @@ pub struct EndpointPickerSpec {
     pub precise_prefix: Option<PrecisePrefixSpec>,
 }
 
-/// How the engines' KV-event publishers and the EPP meet.
+/// How the engines' publishers open their socket. `Connect` (the default):
+/// each engine connects to the EPP Service (vLLM `endpoint:
+/// tcp://<policy>-epp.<namespace>.svc:<eventsPort>`), so its events reach
+/// one EPP replica. `Bind`: each engine binds (vLLM `endpoint:
+/// tcp://*:<eventsPort>`) and every EPP replica connects to every Pod of
+/// the pool, so each replica sees every engine's events.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum PublisherMode {
     /// The engines connect to the EPP Service; the EPP listens.
@@ -128,22 +133,20 @@ pub struct PrecisePrefixSpec {
     /// The served model's tokenizer, which must be the engine's: prompts
     /// are matched by token ids.
     pub tokenizer: TokenizerSource,
-    /// Port the EPP receives events on (ZeroMQ); default 5557. The
-    /// generated NetworkPolicy admits only the pool's Pods to it.
+    /// The events port (ZeroMQ); default 5557. With `publisherMode:
+    /// Connect` the EPP listens on it and the generated NetworkPolicy admits
+    /// only the pool's Pods; with `Bind` the engines bind it and the EPP
+    /// connects to each Pod on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub events_port: Option<i32>,
-    /// How the engines' publishers open their socket. `Connect` (the
-    /// default): each engine connects to the EPP Service (vLLM `endpoint:
-    /// tcp://<policy>-epp.<namespace>.svc:<eventsPort>`), so its events
-    /// reach one EPP replica. `Bind`: each engine binds (vLLM `endpoint:
-    /// tcp://*:<eventsPort>`) and every EPP replica connects to every Pod of
-    /// the pool, so each replica sees every engine's events.
+    /// How the engines' publishers open their socket (see the type).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publisher_mode: Option<PublisherMode>,
     /// The engines' data-parallel size (vLLM `--data-parallel-size`; default
-    /// 1, at most 64). vLLM's rank `r` publishes to `eventsPort` + `r`, so
-    /// the EPP listens on that many consecutive ports.
+    /// 1, at most 64). vLLM's rank `r` publishes on `eventsPort` + `r` (and
+    /// replays on `replayPort` + `r`), so the EPP listens on, or connects
+    /// to, that many consecutive ports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub data_parallel_size: Option<i32>,
@@ -176,6 +179,36 @@ pub struct TokenizerSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub path: Option<String>,
+}
+
+impl PrecisePrefixSpec {
+    /// With `Bind`, the engine binds every rank's events and replay port
+    /// beside its own serving ports: any overlap fails its start.
+    fn engine_port_clashes(&self, engine_ports: &[i32]) -> Vec<String> {
+        let at = "spec.endpointPicker.precisePrefix";
+        let size = self.data_parallel_size().max(1);
+        let events = self.events_ports();
+        let mut errors = Vec::new();
+        if let Some(port) = engine_ports.iter().find(|p| events.contains(p)) {
+            errors.push(format!(
+                "{at}.eventsPort: {} takes the model servers' port {port} (with publisherMode Bind the engines bind it)",
+                events.start()
+            ));
+        }
+        if let Some(replay) = self.replay_port {
+            let replays = replay..=replay.saturating_add(size - 1);
+            if replays.start() <= events.end() && events.start() <= replays.end() {
+                errors.push(format!(
+                    "{at}.replayPort: ports {}-{} overlap the events ports {}-{} that the engines bind beside them (publisherMode Bind, {size} data-parallel ranks)",
+                    replays.start(),
+                    replays.end(),
+                    events.start(),
+                    events.end()
+                ));
+            }
+        }
+        errors
+    }
 }
 
 /// Why `first..=last`, one port per data-parallel rank, is not a range of
@@ -222,7 +255,9 @@ impl PrecisePrefixSpec {
 
     /// What is wrong with the settings, as `path: message` under
     /// `spec.endpointPicker.precisePrefix`.
-    pub fn errors(&self, reserved_ports: &[i32]) -> Vec<String> {
+    /// `reserved_ports` are the EPP's own; `engine_ports` the model
+    /// servers' (the pool's target ports), which `Bind` must not reuse.
+    pub fn errors(&self, reserved_ports: &[i32], engine_ports: &[i32]) -> Vec<String> {
         let at = "spec.endpointPicker.precisePrefix";
         let mut errors = Vec::new();
         if self.tokenizer.image.trim().is_empty() {
@@ -263,6 +298,9 @@ impl PrecisePrefixSpec {
                 port_range_error(port, port.saturating_add(size.max(1) - 1), size)
         {
             errors.push(format!("{at}.replayPort: {message}"));
+        }
+        if !self.epp_listens() {
+            errors.extend(self.engine_port_clashes(engine_ports));
         }
         if let Some(budget) = &self.tokenize_budget {
             match kinference_policy::duration::parse_duration(budget) {

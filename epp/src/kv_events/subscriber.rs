@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc};
@@ -83,6 +84,9 @@ pub struct EventStats {
     /// Dial mode: connections to a Pod's publisher that could not be made
     /// (retried with backoff).
     pub dial_failures: Counter,
+    /// Dial mode: subscriptions open (one per Pod and data-parallel rank
+    /// once every engine is up).
+    pub subscriptions: Gauge,
 }
 
 impl EventStats {
@@ -144,6 +148,11 @@ impl EventStats {
         for (counter, name, help) in counters {
             metrics.register_counter(&format!("kv_events_{name}"), help, counter.clone());
         }
+        metrics.register_metric(
+            "kv_events_subscriptions",
+            "Dial mode: subscriptions to the Pods' KV-event publishers open (one per Pod and data-parallel rank)",
+            self.subscriptions.clone(),
+        );
     }
 }
 

@@ -214,7 +214,14 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
         .map(ToString::to_string)
         .collect();
     if let Some(precise) = spec.precise_prefix() {
-        other_errors.extend(precise.errors(&resources::EPP_PORTS));
+        let engine_ports: Vec<i32> = spec
+            .policy
+            .pool
+            .target_ports
+            .iter()
+            .map(|p| i32::from(p.number))
+            .collect();
+        other_errors.extend(precise.errors(&resources::EPP_PORTS, &engine_ports));
     }
     match kinference_policy::compile(&spec.policy) {
         Ok(compiled) if other_errors.is_empty() => Ok(compiled),
@@ -458,6 +465,17 @@ mod tests {
             "tokenizer": image("reg/tok:1"), "eventsPort": 9090, "publisherMode": "Bind"
         });
         assert!(precise(bind).is_ok());
+        // ... but the engine's own ports are taken, by its server and by
+        // each rank's replay socket.
+        let clashes = |events: i32, size: i32, replay: i32| {
+            precise(serde_json::json!({
+                "tokenizer": image("reg/tok:1"), "publisherMode": "Bind",
+                "eventsPort": events, "dataParallelSize": size, "replayPort": replay
+            }))
+        };
+        assert!(clashes(5557, 2, 5559).is_ok());
+        let errors = [clashes(5557, 2, 5558), clashes(7999, 2, 5558)].map(|r| r.unwrap_err());
+        insta::assert_yaml_snapshot!("precise_prefix_bind_clashes", errors);
         let errors = [
             ranks(8995, 8, 5600),
             ranks(65530, 8, 5600),
