@@ -199,11 +199,7 @@ impl Setup {
     }
 
     async fn with_hwm(replay: impl FnOnce(u16) -> Option<Replay>, hwm: u32) -> Setup {
-        let registry = EndpointRegistry::new(Duration::from_secs(60));
-        let pod = format!("127.0.0.1:{}", free_port());
-        let spec = EndpointSpec::new(pod.clone(), &["m"]);
-        registry.replace_all(endpoints_from_specs([spec]).unwrap());
-        let state = registry.state_at(&pod).unwrap();
+        let (registry, state) = one_pod();
         let stats = Arc::new(EventStats::default());
         let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let events_addr = events.local_addr().unwrap();
@@ -358,10 +354,7 @@ async fn an_undecodable_batch_from_vllms_publisher_leaves_the_pod_estimated() {
 /// both ranks' blocks are indexed and neither's numbering resets the other.
 #[tokio::test]
 async fn each_data_parallel_rank_of_vllm_publishes_to_a_port_of_its_own() {
-    let registry = EndpointRegistry::new(Duration::from_secs(60));
-    let pod = format!("127.0.0.1:{}", free_port());
-    registry.replace_all(endpoints_from_specs([EndpointSpec::new(pod.clone(), &["m"])]).unwrap());
-    let state = registry.state_at(&pod).unwrap();
+    let (registry, state) = one_pod();
     let stats = Arc::new(EventStats::default());
     let (first, listeners) = consecutive_events_ports(2).await;
     tokio::spawn(subscriber::serve(
@@ -455,11 +448,7 @@ struct Replica {
 
 impl Replica {
     fn dialing(port: u16, ranks: u16) -> Replica {
-        let registry = EndpointRegistry::new(Duration::from_secs(60));
-        let pod = format!("127.0.0.1:{}", free_port());
-        let spec = EndpointSpec::new(pod.clone(), &["m"]);
-        registry.replace_all(endpoints_from_specs([spec]).unwrap());
-        let state = registry.state_at(&pod).unwrap();
+        let (registry, state) = one_pod();
         let stats = Arc::new(EventStats::default());
         tokio::spawn(subscriber::serve(
             Source::Dial { port, ranks },
@@ -474,6 +463,16 @@ impl Replica {
             stats,
         }
     }
+}
+
+/// A registry of one Pod on 127.0.0.1 (the topic's IP), and its state.
+fn one_pod() -> (Arc<EndpointRegistry>, Arc<DestinationState>) {
+    let registry = EndpointRegistry::new(Duration::from_secs(60));
+    let pod = format!("127.0.0.1:{}", free_port());
+    let spec = EndpointSpec::new(pod.clone(), &["m"]);
+    registry.replace_all(endpoints_from_specs([spec]).unwrap());
+    let state = registry.state_at(&pod).unwrap();
+    (registry, state)
 }
 
 /// `n` listeners on consecutive loopback ports, as the EPP binds them.
