@@ -1559,7 +1559,9 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         .patch(
             "chat",
             &PatchParams::default(),
-            &precise(json!({"publisherMode": "Bind"})),
+            // Replay ports off the events ports: both are bound in the
+            // engine's Pod now.
+            &precise(json!({"publisherMode": "Bind", "replayPort": 5600})),
         )
         .await?;
     let (names, admitted) = eventually("the EPP dialling the engines", async || {
