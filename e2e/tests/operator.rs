@@ -1462,30 +1462,21 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
         "{accepted:?}"
     );
 
-    // The schema refuses a replay port out of range before the operator.
-    let out_of_range =
-        json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}, "replayPort": 70000});
-    let refused = policies
-        .patch("chat", &PatchParams::default(), &precise(out_of_range))
-        .await;
-    ensure!(
-        refused
-            .as_ref()
-            .is_err_and(|e| e.to_string().contains("replayPort")),
-        "{refused:?}"
-    );
-
-    // Ranks past 64 too.
-    let ranks = json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}, "dataParallelSize": 65});
-    let refused = policies
-        .patch("chat", &PatchParams::default(), &precise(ranks))
-        .await;
-    ensure!(
-        refused
-            .as_ref()
-            .is_err_and(|e| e.to_string().contains("dataParallelSize")),
-        "{refused:?}"
-    );
+    // The schema refuses a replay port out of range, and ranks past 64,
+    // before the operator.
+    for (field, value) in [("replayPort", 70000), ("dataParallelSize", 65)] {
+        let mut settings = json!({"tokenizer": {"image": "reg.example/tok/qwen3:1"}});
+        settings[field] = json!(value);
+        let refused = policies
+            .patch("chat", &PatchParams::default(), &precise(settings))
+            .await;
+        ensure!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains(field)),
+            "{refused:?}"
+        );
+    }
 
     let good = json!({
         "tokenizer": {"image": "reg.example/tok/qwen3:1", "path": "qwen3"},

@@ -282,13 +282,19 @@ impl Scenario {
     }
 
     async fn ready_epp_pods(&self) -> Result<Vec<Pod>> {
+        let pods = self.epp_pods().await?;
+        Ok(pods.into_iter().filter(is_ready).collect())
+    }
+
+    /// The policy's EPP Pods, Ready or not.
+    async fn epp_pods(&self) -> Result<Vec<Pod>> {
         let list = self
             .pods(DEMO_NS)
             .list(&ListParams::default().labels(&format!(
                 "{POLICY_LABEL}={POLICY},app.kubernetes.io/name=kinference-epp"
             )))
             .await?;
-        Ok(list.items.into_iter().filter(is_ready).collect())
+        Ok(list.items)
     }
 
     /// Every EPP Pod's `/metrics` (at its Pod IP) lists exactly `sims` as
@@ -468,15 +474,9 @@ impl Scenario {
         });
         self.apply_all(&[policy]).await?;
         let epp = eventually("one EPP Pod, Ready, with the tokenizer volume", || async {
-            let epps = self.ready_epp_pods().await?;
-            let all = self
-                .pods(DEMO_NS)
-                .list(&ListParams::default().labels(&format!(
-                    "{POLICY_LABEL}={POLICY},app.kubernetes.io/name=kinference-epp"
-                )))
-                .await?;
-            let only = (all.items.len() == 1 && epps.len() == 1).then(|| epps[0].clone());
-            Ok(only.filter(|p| tokenizer_volume(p).is_some()))
+            let mut all = self.epp_pods().await?;
+            let only = (all.len() == 1).then(|| all.remove(0));
+            Ok(only.filter(|p| is_ready(p) && tokenizer_volume(p).is_some()))
         })
         .await?;
         let (reference, sub_path) = tokenizer_volume(&epp).context("no tokenizer volume")?;

@@ -9,9 +9,6 @@ use clap::Parser;
 use kinference_policy::duration::parse_duration;
 use kinference_runtime::{LogArgs, LogFormat};
 
-/// Ranks an engine's events may come from, at most: one events port each.
-pub const MAX_DATA_PARALLEL_SIZE: u16 = 64;
-
 /// Tokenizers of precise prefix mode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEventsTokenizer {
@@ -66,7 +63,7 @@ pub struct Args {
     /// events port + `r` (and replays on the replay port + `r`), so the EPP
     /// listens on `--kv-events-port` … `--kv-events-port` + size − 1.
     #[arg(long, value_name = "N", default_value_t = 1, requires = "kv_events_port",
-          value_parser = clap::value_parser!(u16).range(1..=MAX_DATA_PARALLEL_SIZE as i64))]
+          value_parser = clap::value_parser!(u16).range(1..=i64::from(kinference_api::MAX_DATA_PARALLEL_SIZE)))]
     pub kv_events_data_parallel_size: u16,
     /// Dial mode: the engines bind their publishers (vLLM `endpoint:
     /// tcp://*:PORT`) and the EPP connects to every Pod of the pool on

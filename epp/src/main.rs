@@ -13,7 +13,7 @@ use kinference_epp::k8s;
 use kinference_epp::kv_events::subscriber::{Replay, Source};
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
-use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, check_events_ports};
+use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, events_ports};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
@@ -137,15 +137,15 @@ async fn main() -> anyhow::Result<()> {
         Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
         None => None,
     };
-    let ranks = args.kv_events_data_parallel_size;
     let kv_events = match args.kv_events_port {
-        Some(port) if args.kv_events_dial => {
-            check_events_ports(port, ranks)?;
-            Some(Source::Dial { port, ranks })
+        Some(port) => {
+            let ports = events_ports(port, args.kv_events_data_parallel_size)?;
+            Some(if args.kv_events_dial {
+                Source::Dial(ports)
+            } else {
+                Source::Listen(bind_events_ports(args.bind_address, ports).await?)
+            })
         }
-        Some(port) => Some(Source::Listen(
-            bind_events_ports(args.bind_address, port, ranks).await?,
-        )),
         None => None,
     };
     if let Some(choice) = &args.kv_events_tokenizer {

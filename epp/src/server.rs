@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -347,28 +348,26 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("binding {addr}"))
 }
 
-/// Checks that `ranks` events ports from `first` on exist: a range past the
-/// last port is a setting's error, found at start in either mode.
-pub fn check_events_ports(first: u16, ranks: u16) -> anyhow::Result<()> {
-    first
+/// The events ports of precise mode: `first` for data-parallel rank 0 and
+/// `first + r` for rank r (at least one rank), where vLLM's rank r
+/// publishes. A range past the last port is a setting's error, found at
+/// start in either mode.
+pub fn events_ports(first: u16, ranks: u16) -> anyhow::Result<RangeInclusive<u16>> {
+    let last = first
         .checked_add(ranks.saturating_sub(1))
-        .map(drop)
         .with_context(|| {
             format!("events port {first} + {ranks} data-parallel ranks is past port 65535")
-        })
+        })?;
+    Ok(first..=last)
 }
 
-/// The events ports of precise mode: `first` for data-parallel rank 0 and
-/// `first + r` for rank r, where vLLM's rank r publishes.
+/// A listener on each of `ports` (see [`events_ports`]).
 pub async fn bind_events_ports(
     ip: std::net::IpAddr,
-    first: u16,
-    ranks: u16,
+    ports: RangeInclusive<u16>,
 ) -> anyhow::Result<Vec<TcpListener>> {
-    // Before anything is bound: a busy port is another error.
-    check_events_ports(first, ranks)?;
-    let mut listeners = Vec::with_capacity(usize::from(ranks));
-    for port in (0..ranks).map(|rank| first + rank) {
+    let mut listeners = Vec::with_capacity(ports.len());
+    for port in ports {
         listeners.push(bind(SocketAddr::new(ip, port)).await?);
     }
     Ok(listeners)
@@ -431,8 +430,8 @@ mod tests {
 
     #[tokio::test]
     async fn events_ports_stay_below_65536() {
-        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
-        let err = bind_events_ports(ip, 65535, 2).await.unwrap_err();
+        let err = events_ports(65535, 2).unwrap_err();
         assert!(err.to_string().contains("past port 65535"), "{err}");
+        assert_eq!(events_ports(65534, 2).unwrap(), 65534..=65535);
     }
 }

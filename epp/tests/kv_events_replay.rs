@@ -451,7 +451,7 @@ impl Replica {
         let (registry, state) = one_pod();
         let stats = Arc::new(EventStats::default());
         tokio::spawn(subscriber::serve(
-            Source::Dial { port, ranks },
+            Source::Dial(port..=port + ranks - 1),
             Arc::clone(&registry),
             Arc::clone(&stats),
             Limits::default(),
@@ -480,7 +480,10 @@ async fn consecutive_events_ports(n: u16) -> (u16, Vec<TcpListener>) {
     let ip = std::net::IpAddr::from([127, 0, 0, 1]);
     for _ in 0..50 {
         let first = free_port();
-        if let Ok(listeners) = kinference_epp::server::bind_events_ports(ip, first, n).await {
+        let Ok(ports) = kinference_epp::server::events_ports(first, n) else {
+            continue;
+        };
+        if let Ok(listeners) = kinference_epp::server::bind_events_ports(ip, ports).await {
             return (first, listeners);
         }
     }

@@ -1,3 +1,5 @@
+use std::ops::RangeInclusive;
+
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -148,7 +150,7 @@ pub struct PrecisePrefixSpec {
     /// replays on `replayPort` + `r`), so the EPP listens on, or connects
     /// to, that many consecutive ports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 64))]
+    #[schemars(range(min = 1, max = MAX_DATA_PARALLEL_SIZE))]
     pub data_parallel_size: Option<i32>,
     /// A prompt not tokenized within this time is matched by the estimate
     /// instead (e.g. `5ms`, the default; at most `1s`).
@@ -179,36 +181,6 @@ pub struct TokenizerSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub path: Option<String>,
-}
-
-impl PrecisePrefixSpec {
-    /// With `Bind`, the engine binds every rank's events and replay port
-    /// beside its own serving ports: any overlap fails its start.
-    fn engine_port_clashes(&self, engine_ports: &[i32]) -> Vec<String> {
-        let at = "spec.endpointPicker.precisePrefix";
-        let size = self.data_parallel_size().max(1);
-        let events = self.events_ports();
-        let mut errors = Vec::new();
-        if let Some(port) = engine_ports.iter().find(|p| events.contains(p)) {
-            errors.push(format!(
-                "{at}.eventsPort: {} takes the model servers' port {port} (with publisherMode Bind the engines bind it)",
-                events.start()
-            ));
-        }
-        if let Some(replay) = self.replay_port {
-            let replays = replay..=replay.saturating_add(size - 1);
-            if replays.start() <= events.end() && events.start() <= replays.end() {
-                errors.push(format!(
-                    "{at}.replayPort: ports {}-{} overlap the events ports {}-{} that the engines bind beside them (publisherMode Bind, {size} data-parallel ranks)",
-                    replays.start(),
-                    replays.end(),
-                    events.start(),
-                    events.end()
-                ));
-            }
-        }
-        errors
-    }
 }
 
 /// Why `first..=last`, one port per data-parallel rank, is not a range of
@@ -246,15 +218,26 @@ impl PrecisePrefixSpec {
         self.data_parallel_size.unwrap_or(1)
     }
 
-    /// The EPP's events ports: one per data-parallel rank, from
+    /// The events ports: one per data-parallel rank, from
     /// [`PrecisePrefixSpec::events_port`] on.
-    pub fn events_ports(&self) -> std::ops::RangeInclusive<i32> {
-        let first = self.events_port();
+    pub fn events_ports(&self) -> RangeInclusive<i32> {
+        self.rank_ports(self.events_port())
+    }
+
+    /// The engines' replay ports, one per data-parallel rank, if set.
+    pub fn replay_ports(&self) -> Option<RangeInclusive<i32>> {
+        self.replay_port.map(|first| self.rank_ports(first))
+    }
+
+    /// `first` for rank 0, `first + r` for rank r: vLLM offsets each
+    /// endpoint by the rank.
+    fn rank_ports(&self, first: i32) -> RangeInclusive<i32> {
         first..=first.saturating_add(self.data_parallel_size().max(1) - 1)
     }
 
     /// What is wrong with the settings, as `path: message` under
     /// `spec.endpointPicker.precisePrefix`.
+    ///
     /// `reserved_ports` are the EPP's own; `engine_ports` the model
     /// servers' (the pool's target ports), which `Bind` must not reuse.
     pub fn errors(&self, reserved_ports: &[i32], engine_ports: &[i32]) -> Vec<String> {
@@ -293,9 +276,8 @@ impl PrecisePrefixSpec {
                 "{at}.eventsPort: {first}{ranks} takes the EPP's own port {taken} (its ports: {reserved_ports:?})"
             ));
         }
-        if let Some(port) = self.replay_port
-            && let Some(message) =
-                port_range_error(port, port.saturating_add(size.max(1) - 1), size)
+        if let Some(replays) = self.replay_ports()
+            && let Some(message) = port_range_error(*replays.start(), *replays.end(), size)
         {
             errors.push(format!("{at}.replayPort: {message}"));
         }
@@ -308,6 +290,34 @@ impl PrecisePrefixSpec {
                 Ok(_) => errors.push(format!("{at}.tokenizeBudget: {budget:?} is over 1s")),
                 Err(e) => errors.push(format!("{at}.tokenizeBudget: {e}")),
             }
+        }
+        errors
+    }
+
+    /// With `Bind`, the engine binds every rank's events and replay port
+    /// beside its own serving ports: any overlap fails its start.
+    fn engine_port_clashes(&self, engine_ports: &[i32]) -> Vec<String> {
+        let at = "spec.endpointPicker.precisePrefix";
+        let size = self.data_parallel_size().max(1);
+        let events = self.events_ports();
+        let mut errors = Vec::new();
+        if let Some(port) = engine_ports.iter().find(|p| events.contains(p)) {
+            errors.push(format!(
+                "{at}.eventsPort: {} takes the model servers' port {port} (with publisherMode Bind the engines bind it)",
+                events.start()
+            ));
+        }
+        if let Some(replays) = self.replay_ports()
+            && replays.start() <= events.end()
+            && events.start() <= replays.end()
+        {
+            errors.push(format!(
+                "{at}.replayPort: ports {}-{} overlap the events ports {}-{} that the engines bind beside them (publisherMode Bind, {size} data-parallel ranks)",
+                replays.start(),
+                replays.end(),
+                events.start(),
+                events.end()
+            ));
         }
         errors
     }

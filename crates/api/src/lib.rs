@@ -15,8 +15,8 @@ pub use admission::{
 };
 pub use crd::{
     ClientCaRef, DEFAULT_KV_EVENTS_PORT, EndpointPickerSpec, EppNetworkPolicySpec, InferencePolicy,
-    InferencePolicySpec, InferencePolicyStatus, PrecisePrefixSpec, PublisherMode, TokenizerSource,
-    crd, crd_yaml,
+    InferencePolicySpec, InferencePolicyStatus, MAX_DATA_PARALLEL_SIZE, PrecisePrefixSpec,
+    PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use kinference_policy::PolicySpec;

@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,8 +47,7 @@ type Publisher = (SocketAddr, Option<String>);
 /// registry lists the Pod; returns when the indexer is gone.
 pub(super) async fn dial(
     registry: Arc<EndpointRegistry>,
-    port: u16,
-    ranks: u16,
+    ports: RangeInclusive<u16>,
     tx: mpsc::Sender<Vec<Vec<u8>>>,
     stats: Arc<EventStats>,
     limits: Limits,
@@ -62,7 +62,7 @@ pub(super) async fn dial(
             let id = ended.map_or_else(|e| e.id(), |(id, ())| id);
             open.retain(|_, task| task.id() != id);
         }
-        let want = publishers(&registry, port, ranks);
+        let want = publishers(&registry, &ports);
         open.retain(|publisher, task| {
             let keep = want.contains(publisher);
             if !keep {
@@ -85,7 +85,7 @@ pub(super) async fn dial(
 }
 
 /// Every publisher of the pool: each Pod once, on each rank's port.
-fn publishers(registry: &EndpointRegistry, port: u16, ranks: u16) -> BTreeSet<Publisher> {
+fn publishers(registry: &EndpointRegistry, ports: &RangeInclusive<u16>) -> BTreeSet<Publisher> {
     let pods: BTreeSet<_> = registry
         .endpoints()
         .iter()
@@ -93,8 +93,8 @@ fn publishers(registry: &EndpointRegistry, port: u16, ranks: u16) -> BTreeSet<Pu
         .collect();
     pods.into_iter()
         .flat_map(|(ip, uid)| {
-            (0..ranks)
-                .filter_map(move |r| port.checked_add(r))
+            ports
+                .clone()
                 .map(move |p| (SocketAddr::new(ip, p), uid.clone()))
         })
         .collect()
@@ -180,7 +180,7 @@ mod tests {
             e.uid = Some(format!("uid-{}", e.ip));
         }
         registry.replace_all(endpoints.clone());
-        let got: Vec<String> = publishers(&registry, 5557, 2)
+        let got: Vec<String> = publishers(&registry, &(5557..=5558))
             .iter()
             .map(|(addr, uid)| format!("{addr} {}", uid.as_deref().unwrap()))
             .collect();
@@ -193,14 +193,11 @@ mod tests {
                 "10.0.0.2:5558 uid-10.0.0.2",
             ]
         );
-        let before = publishers(&registry, 5557, 1);
+        let before = publishers(&registry, &(5557..=5557));
         endpoints[2].uid = Some("a-new-pod".into());
         registry.replace_all(endpoints);
-        let after = publishers(&registry, 5557, 1);
+        let after = publishers(&registry, &(5557..=5557));
         assert_eq!(before.len(), after.len());
         assert_ne!(before, after, "a new Pod on the IP is a new publisher");
-        // Past the last port, ranks are left out (the EPP refuses such a
-        // setting at start; see `server::check_events_ports`).
-        assert_eq!(publishers(&registry, 65535, 2).len(), 2);
     }
 }

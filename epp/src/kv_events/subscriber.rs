@@ -170,9 +170,9 @@ pub enum Source {
     /// `r`). Each engine reaches one EPP replica.
     Listen(Vec<TcpListener>),
     /// The engines bind (vLLM `endpoint: tcp://*:PORT`) and the EPP connects
-    /// to every Pod of the pool on `port` + `r` for each rank `r` below
-    /// `ranks`: every EPP replica receives every Pod's events.
-    Dial { port: u16, ranks: u16 },
+    /// to every Pod of the pool on each of these ports, one per rank: every
+    /// EPP replica receives every Pod's events.
+    Dial(std::ops::RangeInclusive<u16>),
 }
 
 /// Indexes what the engines publish through `source`, until a listener
@@ -194,8 +194,8 @@ pub async fn serve(
     tokio::spawn(indexer.run(rx));
     match source {
         Source::Listen(listeners) => listen(listeners, tx, stats, limits).await,
-        Source::Dial { port, ranks } => {
-            super::dial::dial(registry, port, ranks, tx, stats, limits).await;
+        Source::Dial(ports) => {
+            super::dial::dial(registry, ports, tx, stats, limits).await;
             Ok(())
         }
     }

@@ -253,14 +253,13 @@ impl Params {
         } else {
             0.99
         };
-        let max = c
-            .max
-            .to_internal()
-            .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 });
-        let mut min = c
-            .min
-            .to_internal()
-            .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 });
+        // A bound that is not a positive number is 0.
+        let bound = |b: TtftCoefficients| {
+            b.to_internal()
+                .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 })
+        };
+        let max = bound(c.max);
+        let mut min = bound(c.min);
         for i in 0..DIM {
             min[i] = min[i].min(max[i]);
         }
@@ -886,6 +885,18 @@ mod tests {
         }
     }
 
+    /// An idle queue, 0–3 running requests, and 40 tokens to prefill, or
+    /// `prefill` tokens one time in ten.
+    fn mostly_cached(rng: &mut StdRng, prefill: f64) -> TtftFeatures {
+        let running = rng.random_range(0..4) as f64;
+        let uncached = if rng.random_range(0..10) == 0 {
+            prefill
+        } else {
+            40.0
+        };
+        TtftFeatures::new(0.0, running, uncached, 0.0, 0.0)
+    }
+
     #[test]
     fn a_busier_pod_predicts_slower_even_where_load_costs_nothing() {
         // llm-d-inference-sim's law: the batch does not slow a prefill.
@@ -893,14 +904,8 @@ mod tests {
         let e = &EndpointTtft::default();
         let mut rng = StdRng::seed_from_u64(7);
         for _ in 0..500 {
-            let running = rng.random_range(0..4) as f64;
-            let uncached = if rng.random_range(0..10) == 0 {
-                3600.0
-            } else {
-                40.0
-            };
-            let f = TtftFeatures::new(0.0, running, uncached, 0.0, 0.0);
-            p.observe(e, &f, 0.005 + 0.0004 * uncached);
+            let f = mostly_cached(&mut rng, 3600.0);
+            p.observe(e, &f, 0.005 + 0.0004 * f.uncached_tokens);
         }
         let idle = TtftFeatures::new(0.0, 0.0, 3600.0, 0.0, 0.0);
         let busy = TtftFeatures::new(0.0, 2.0, 3600.0, 0.0, 0.0);
@@ -923,13 +928,7 @@ mod tests {
         let e = &EndpointTtft::default();
         let mut rng = StdRng::seed_from_u64(8);
         for _ in 0..2000 {
-            let running = rng.random_range(0..4) as f64;
-            let labelled = if rng.random_range(0..10) == 0 {
-                6000.0
-            } else {
-                40.0
-            };
-            let f = TtftFeatures::new(0.0, running, labelled, 0.0, 0.0);
+            let f = mostly_cached(&mut rng, 6000.0);
             p.observe(e, &f, 0.025 + 0.0004 * 40.0);
         }
         let cold = TtftFeatures::new(0.0, 0.0, 6000.0, 0.0, 0.0);

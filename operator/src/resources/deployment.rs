@@ -503,8 +503,7 @@ mod tests {
         let (mut policy, compiled) = example_precise();
         let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
         assert_eq!(arg(&pod, "--kv-events-data-parallel-size"), None);
-        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
-        picker.precise_prefix.as_mut().unwrap().data_parallel_size = Some(2);
+        precise_mut(&mut policy).data_parallel_size = Some(2);
         let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
         assert_eq!(arg(&pod, "--kv-events-data-parallel-size"), Some("2"));
         let events: Vec<(&str, i32)> = pod.containers[0]
@@ -529,9 +528,7 @@ mod tests {
                 .unwrap()
                 .contains(&"--kv-events-dial".into())
         );
-        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
-        picker.precise_prefix.as_mut().unwrap().publisher_mode =
-            Some(kinference_api::PublisherMode::Bind);
+        precise_mut(&mut policy).publisher_mode = Some(kinference_api::PublisherMode::Bind);
         let pod = pod_spec(desired(&policy, &compiled, &settings()).deployment);
         let args = pod.containers[0].args.as_ref().unwrap();
         assert!(args.contains(&"--kv-events-dial".into()), "{args:?}");

@@ -79,9 +79,7 @@ mod tests {
     #[test]
     fn when_the_engines_bind_the_service_has_no_events_port() {
         let (mut policy, compiled) = example_precise();
-        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
-        picker.precise_prefix.as_mut().unwrap().publisher_mode =
-            Some(kinference_api::PublisherMode::Bind);
+        precise_mut(&mut policy).publisher_mode = Some(kinference_api::PublisherMode::Bind);
         let service = desired(&policy, &compiled, &settings()).epp_service;
         assert_eq!(service.spec.unwrap().ports.unwrap().len(), 2);
     }
@@ -89,8 +87,7 @@ mod tests {
     #[test]
     fn each_data_parallel_rank_has_an_events_port() {
         let (mut policy, compiled) = example_precise();
-        let precise = policy.spec.endpoint_picker.as_mut().unwrap();
-        precise.precise_prefix.as_mut().unwrap().data_parallel_size = Some(3);
+        precise_mut(&mut policy).data_parallel_size = Some(3);
         let service = desired(&policy, &compiled, &settings()).epp_service;
         let ports = service.spec.unwrap().ports.unwrap();
         let events: Vec<(&str, i32)> = ports

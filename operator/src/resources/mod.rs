@@ -270,6 +270,16 @@ pub(crate) mod testing {
         (policy, compiled)
     }
 
+    /// The precise prefix settings of a policy made by [`example_precise`].
+    pub fn precise_mut(policy: &mut InferencePolicy) -> &mut kinference_api::PrecisePrefixSpec {
+        let picker = policy
+            .spec
+            .endpoint_picker
+            .as_mut()
+            .expect("endpointPicker");
+        picker.precise_prefix.as_mut().expect("precisePrefix")
+    }
+
     pub fn settings() -> EppSettings {
         EppSettings {
             image: "ghcr.io/kinference/epp:0.1.0".into(),

@@ -240,9 +240,7 @@ mod tests {
     #[test]
     fn when_the_engines_bind_no_one_is_admitted_to_an_events_port() {
         let (mut policy, compiled) = example_precise();
-        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
-        picker.precise_prefix.as_mut().unwrap().publisher_mode =
-            Some(kinference_api::PublisherMode::Bind);
+        precise_mut(&mut policy).publisher_mode = Some(kinference_api::PublisherMode::Bind);
         let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
         let ports: Vec<i64> = admitted(&np).into_iter().map(|(port, _)| port).collect();
         assert_eq!(ports, [9002, 9090]);
@@ -251,8 +249,7 @@ mod tests {
     #[test]
     fn data_parallel_ranks_are_admitted_to_a_range_of_events_ports() {
         let (mut policy, compiled) = example_precise();
-        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
-        picker.precise_prefix.as_mut().unwrap().data_parallel_size = Some(4);
+        precise_mut(&mut policy).data_parallel_size = Some(4);
         let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
         let spec = serde_json::to_value(np.spec.unwrap()).unwrap();
         let ports: Vec<&serde_json::Value> = spec["ingress"]
