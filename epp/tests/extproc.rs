@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::ExtProcConfig;
+use kinference_epp::predict::TtftFeatures;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::extproc_client::{EppClient, HttpRequest};
@@ -610,6 +611,52 @@ async fn policy_hot_swap_under_load_fails_no_request() {
         .await
         .unwrap();
     assert_eq!(outcome.set_headers["x-kinference-rule"], "local-v2");
+}
+
+/// The prefix index guesses what a Pod holds; the engine says, at the end
+/// of its answer. Here the index is sure the prompt is cached (it routed it
+/// here before) and every answer says nothing was (the engine evicted it)
+/// and took 800 ms. Learnt with the guess, the model would charge a cached
+/// prompt 800 ms and keep the prefill cheap.
+#[tokio::test]
+async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_guessed() {
+    let policy = "rules:\n  - name: fast\n    route: { select: [{ minimize: PredictedTTFT }] }\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 22).await;
+    let prompt = "The same long system prompt, evicted again. ".repeat(200);
+    let evicted = json!({
+        "choices": [],
+        "usage": { "prompt_tokens": 1500, "prompt_tokens_details": { "cached_tokens": 0 } }
+    });
+    for _ in 0..40 {
+        let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
+        let (outcome, mut stream) = h.client.decide(&request).await.unwrap();
+        let served = outcome.destination().unwrap().to_string();
+        stream
+            .response_headers(200, Some(&served), Some(800.0))
+            .await
+            .unwrap();
+        stream
+            .finish_with(serde_json::to_vec(&evicted).unwrap())
+            .await
+            .unwrap();
+    }
+    let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
+    let model = &h.epp.picker.ttft;
+    let tokens = prompt.len() as f64 / 4.0;
+    let cached = TtftFeatures::new(0.0, 0.0, tokens, tokens, 0.0);
+    let uncached = TtftFeatures::new(0.0, 0.0, tokens, 0.0, 0.0);
+    let (cached, uncached) = (
+        model.predict(&state.ttft, &cached),
+        model.predict(&state.ttft, &uncached),
+    );
+    assert!(
+        (0.6..1.0).contains(&uncached),
+        "the prefill is learnt at its cost: {uncached}"
+    );
+    assert!(
+        cached < 0.2,
+        "a cached prompt is not charged for it: {cached}"
+    );
 }
 
 #[tokio::test]

@@ -317,11 +317,18 @@ impl Stream {
             .ok_or_else(|| anyhow::anyhow!("the EPP closed the stream"))
     }
 
-    /// Ends the response (last body chunk) and closes the stream.
-    pub async fn finish(mut self) -> anyhow::Result<()> {
+    /// Ends the response (an empty last body chunk) and closes the stream.
+    pub async fn finish(self) -> anyhow::Result<()> {
+        self.finish_with(Vec::new()).await
+    }
+
+    /// Ends the response with `body` as its one chunk (an answer the EPP
+    /// may read, e.g. its usage) and closes the stream.
+    pub async fn finish_with(mut self, body: impl Into<Vec<u8>>) -> anyhow::Result<()> {
         self.tx
             .send(ProcessingRequest {
                 request: Some(Msg::ResponseBody(HttpBody {
+                    body: body.into(),
                     end_of_stream: true,
                     ..HttpBody::default()
                 })),

@@ -9,7 +9,7 @@ mod recent;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kinference_policy::duration::parse_duration;
 use kinference_policy::eval::{
@@ -36,7 +36,7 @@ use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
 use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
 use crate::predict::{
-    DestinationState, InflightGuard, Outcome, TtftFeatures, TtftPredictor, block_hashes,
+    DestinationState, InflightGuard, Outcome, TtftFeatures, TtftPredictor, TtftSample, block_hashes,
 };
 
 pub const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
@@ -67,7 +67,7 @@ pub struct Picker {
     pub policy: Arc<PolicyStore>,
     pub registry: Arc<EndpointRegistry>,
     /// The global TTFT model (each endpoint's own lives in its state).
-    pub ttft: TtftPredictor,
+    pub ttft: Arc<TtftPredictor>,
     pub providers: ProviderStates,
     pub classifiers: ClassifierRunner,
     pub metrics: Arc<Metrics>,
@@ -165,7 +165,7 @@ impl Picker {
         Picker {
             policy,
             registry,
-            ttft: TtftPredictor::new(Default::default()),
+            ttft: Arc::new(TtftPredictor::new(Default::default())),
             providers: ProviderStates::default(),
             classifiers: ClassifierRunner::default(),
             metrics,
@@ -350,21 +350,6 @@ impl Picker {
         }
         .clamped()
     }
-
-    /// The gateway reported a first byte after `ttft`: update the observed
-    /// statistics, and calibrate the endpoint's TTFT model with the features
-    /// its prediction was made from, when there were any.
-    pub fn observe_ttft(
-        &self,
-        state: &DestinationState,
-        features: Option<&TtftFeatures>,
-        ttft: Duration,
-    ) {
-        state.stats.record_ttft(ttft, Instant::now());
-        if let Some(f) = features {
-            self.ttft.observe(&state.ttft, f, ttft.as_secs_f64());
-        }
-    }
 }
 
 /// What a routed request holds until its stream ends: the request counts in
@@ -377,6 +362,9 @@ pub struct Ticket {
     address: Option<String>,
     /// The TTFT prediction's inputs; `None` when there was no prediction.
     features: Option<TtftFeatures>,
+    /// Once the first byte came: its TTFT, for the model to learn when the
+    /// engine's cached count has come or the stream ends.
+    sample: Option<TtftSample>,
     /// The prediction itself, in seconds.
     predicted_ttft: Option<f64>,
     /// The cached prefix the decision counted on; `None` for a provider.
@@ -398,6 +386,7 @@ impl Ticket {
             state,
             address,
             features,
+            sample: None,
             predicted_ttft,
             prefix,
             decided_at: now,
@@ -504,7 +493,7 @@ impl Router for Picker {
             // and its TTFT; the model is calibrated only on the predicted one.
             (Some(picked), Some(served)) if picked != served => {
                 if let Some(actual) = self.registry.state_at(served) {
-                    self.observe_ttft(&actual, None, ttft);
+                    actual.stats.record_ttft(ttft, now);
                     actual.stats.record_outcome(Outcome::Success, now);
                 }
                 ticket.guard.record(Outcome::Failure, now);
@@ -514,7 +503,13 @@ impl Router for Picker {
                     self.metrics
                         .observe_ttft_prediction(predicted, ttft.as_secs_f64());
                 }
-                self.observe_ttft(&ticket.state, ticket.features.as_ref(), ttft);
+                // The observed statistics count it now, the TTFT model once
+                // the engine has said what it had cached (see TtftSample).
+                ticket.state.stats.record_ttft(ttft, now);
+                ticket.sample = ticket.features.take().map(|f| {
+                    let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
+                    TtftSample::new(model, state, f, ttft.as_secs_f64())
+                });
                 ticket.guard.record(Outcome::Success, now);
             }
         }
@@ -525,12 +520,18 @@ impl Router for Picker {
     }
 
     /// The engine's own counts against the decision's: the cached-prefix
-    /// prediction error, and in precise mode the tokenizer check.
+    /// prediction error, the cached count the TTFT model learns with, and in
+    /// precise mode the tokenizer check.
     fn usage(&self, ticket: &mut Ticket, usage: Usage) {
         let Some(prefix) = ticket.prefix else { return };
         if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens)
             && prefix.prompt > 0.0
         {
+            if let Some(sample) = &mut ticket.sample {
+                sample.engine_reported(prefix.prompt, prompt, reported);
+            }
+            // Learnt now, with the engine's count.
+            ticket.sample = None;
             // As a share of the prompt: an estimate counts 4 bytes a token,
             // the engine its own tokens.
             let predicted = prefix.cached_tokens / prefix.prompt * prompt as f64;

@@ -14,12 +14,15 @@
 //!   circuit breaker, for local endpoints and providers alike.
 //! - [`routed`]: [`RoutedPrefixes`], the prompts a destination was sent in
 //!   the last seconds, which its KV events have not reported yet.
+//! - [`sample`]: [`TtftSample`], one served request's TTFT, learnt by the
+//!   model once the engine has said how much of the prompt it had cached.
 //! - [`destination`]: [`DestinationState`], all of the above for one
 //!   destination, owned by the destination itself.
 
 pub mod destination;
 pub mod prefix;
 pub mod routed;
+pub mod sample;
 pub mod stats;
 pub(crate) mod sync;
 pub mod ttft;
@@ -30,5 +33,6 @@ pub use prefix::{
     block_hashes, block_hashes_bytes, blocks_for_kv_cache,
 };
 pub use routed::RoutedPrefixes;
+pub use sample::TtftSample;
 pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
 pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};
