@@ -33,6 +33,11 @@ use super::sync::lock;
 use std::sync::Mutex;
 
 const DIM: usize = 5;
+/// The uncached-tokens term.
+const TOKEN: usize = 3;
+/// The prefill cost moves only on samples whose prefill is at least this
+/// share of the predicted TTFT.
+const PREFILL_SHARE: f64 = 0.25;
 /// Uncached tokens enter the regression in thousands so all features are O(1..100)
 /// and the covariance stays well conditioned.
 const TOKEN_SCALE: f64 = 1e-3;
@@ -365,7 +370,21 @@ impl Rls {
             self.bias = 0.0;
             self.resets += 1;
         }
-        let (mut px, mut denom) = self.gain(x, prm.lambda);
+        // The prefill cost is a property of the engine, seen only where the
+        // prefill is a real part of the TTFT. Elsewhere (a cached system
+        // prompt and a short question) it is tied to `base` and the load
+        // terms by the covariance, its variance (rarely excited) grows back
+        // to the prior, and one cached answer slowed by a queue the scrape
+        // did not show moved it to its floor in a single step; a Pod that
+        // looked able to prefill 6,000 tokens in 60 ms then drew every new
+        // prefix group and collapsed. So it takes no part in such samples.
+        let mut free = [true; DIM];
+        let mut xf = *x;
+        if self.theta[TOKEN] * x[TOKEN] < PREFILL_SHARE * self.predict(x) {
+            free[TOKEN] = false;
+            xf[TOKEN] = 0.0;
+        }
+        let (mut px, mut denom) = self.gain(&xf, prm.lambda);
         if !(denom.is_finite() && denom > 0.0) {
             self.reset_cov(prm);
             return;
@@ -396,8 +415,6 @@ impl Rls {
         // negative, the clamp restores most of the error, and the model stalls).
         let theta0 = self.theta;
         let mut theta = theta0;
-        let mut free = [true; DIM];
-        let mut xf = *x;
         for _ in 0..=DIM {
             let r = target - theta.iter().zip(x).map(|(t, x)| t * x).sum::<f64>();
             let mut cand = theta;
@@ -936,6 +953,50 @@ mod tests {
         let (cold, busy) = (p.predict(e, &cold), p.predict(e, &cached_and_busy));
         assert!(cold >= 0.06, "{cold}: {:?}", p.coefficients(e));
         assert!(cold > busy, "{cold} vs {busy}: {:?}", p.coefficients(e));
+    }
+
+    /// A Pod holding a hot prefix group: most answers are cached (a short
+    /// question to prefill), a few are new groups (6,000 tokens). Then its
+    /// queue grows faster than the scrape shows it: cached answers take
+    /// 50–200 ms where the features say idle. That is load, not prefill;
+    /// the Pod must still be predicted slow to prefill a new group.
+    #[test]
+    fn a_queue_the_scrape_missed_does_not_make_prefill_cheap() {
+        let law = Law {
+            base: 0.008,
+            q: 0.02,
+            r: 0.001,
+            tok_per_s: 4000.0,
+            kv: 0.0,
+        };
+        let p = TtftPredictor::default();
+        let e = &EndpointTtft::default();
+        let mut rng = StdRng::seed_from_u64(11);
+        let sample = |rng: &mut StdRng| {
+            let uncached = if rng.random_range(0..20) == 0 {
+                6000.0
+            } else {
+                rng.random_range(0.0..80.0)
+            };
+            let running = rng.random_range(0..5) as f64;
+            TtftFeatures::new(0.0, running, uncached, 0.0, 0.2)
+        };
+        for _ in 0..500 {
+            let f = sample(&mut rng);
+            p.observe(e, &f, law.ttft(&f));
+        }
+        for _ in 0..200 {
+            let mut f = sample(&mut rng);
+            f.uncached_tokens = f.uncached_tokens.min(10.0);
+            p.observe(e, &f, rng.random_range(0.05..0.2));
+        }
+        let cold = TtftFeatures::new(0.0, 0.0, 6000.0, 0.0, 0.2);
+        let (predicted, truth) = (p.predict(e, &cold), law.ttft(&cold));
+        assert!(
+            predicted > 0.75 * truth,
+            "{predicted} against {truth}: {:?}",
+            p.coefficients(e)
+        );
     }
 
     #[test]
