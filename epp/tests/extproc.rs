@@ -642,6 +642,7 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
     }
     let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
     let model = &h.epp.picker.ttft;
+    assert_eq!(model.observations(&state.ttft), 40, "each answer once");
     let tokens = prompt.len() as f64 / 4.0;
     let cached = TtftFeatures::new(0.0, 0.0, tokens, tokens, 0.0);
     let uncached = TtftFeatures::new(0.0, 0.0, tokens, 0.0, 0.0);

@@ -497,6 +497,9 @@ impl Router for Picker {
                     actual.stats.record_outcome(Outcome::Success, now);
                 }
                 ticket.guard.record(Outcome::Failure, now);
+                // The answer's cached count is another Pod's: not a check
+                // of this decision's prefix.
+                ticket.prefix = None;
             }
             _ => {
                 if let Some(predicted) = ticket.predicted_ttft {
@@ -506,7 +509,10 @@ impl Router for Picker {
                 // The observed statistics count it now, the TTFT model once
                 // the engine has said what it had cached (see TtftSample).
                 ticket.state.stats.record_ttft(ttft, now);
-                ticket.sample = ticket.features.take().map(|f| {
+                // A refusal (400: context too long) answers at once, with
+                // nothing prefilled: not a TTFT to learn from.
+                let answered = (200..300).contains(&status);
+                ticket.sample = ticket.features.take().filter(|_| answered).map(|f| {
                     let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
                     TtftSample::new(model, state, f, ttft.as_secs_f64())
                 });
@@ -530,7 +536,7 @@ impl Router for Picker {
             if let Some(sample) = &mut ticket.sample {
                 sample.engine_reported(prefix.prompt, prompt, reported);
             }
-            // Learnt now, with the engine's count.
+            // Learnt now (with the engine's count when it had a prompt).
             ticket.sample = None;
             // As a share of the prompt: an estimate counts 4 bytes a token,
             // the engine its own tokens.
