@@ -533,11 +533,11 @@ impl Router for Picker {
         if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens)
             && prefix.prompt > 0.0
         {
-            if let Some(sample) = &mut ticket.sample {
+            // Learnt now, when dropped (with the engine's count when it had
+            // a prompt).
+            if let Some(mut sample) = ticket.sample.take() {
                 sample.engine_reported(prefix.prompt, prompt, reported);
             }
-            // Learnt now (with the engine's count when it had a prompt).
-            ticket.sample = None;
             // As a share of the prompt: an estimate counts 4 bytes a token,
             // the engine its own tokens.
             let predicted = prefix.cached_tokens / prefix.prompt * prompt as f64;

@@ -57,7 +57,8 @@ impl TtftSample {
     }
 
     /// The features the model will learn from.
-    pub fn features(&self) -> &TtftFeatures {
+    #[cfg(test)]
+    fn features(&self) -> &TtftFeatures {
         &self.features
     }
 }

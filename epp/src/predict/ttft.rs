@@ -263,7 +263,7 @@ impl Params {
         } else {
             0.99
         };
-        // A bound that is not a positive number is 0.
+        // A bound (or the prior's prefill cost) that is not a positive number is 0.
         let bound = |b: TtftCoefficients| {
             b.to_internal()
                 .map(|m| if m.is_finite() && m > 0.0 { m } else { 0.0 })
@@ -273,17 +273,12 @@ impl Params {
         for i in 0..DIM {
             min[i] = min[i].min(max[i]);
         }
-        let prefill_prior = c.prior.to_internal()[TOKEN];
         Self {
             p0,
             min,
             max,
             lambda,
-            prefill_prior: if prefill_prior.is_finite() {
-                prefill_prior.max(0.0)
-            } else {
-                0.0
-            },
+            prefill_prior: bound(c.prior)[TOKEN],
             noise,
             floor: if c.weight_floor.is_finite() && c.weight_floor > 0.0 {
                 c.weight_floor
@@ -1028,10 +1023,10 @@ mod tests {
         );
     }
 
-    /// The guard above is one-sided: a prefill cost learnt far too low (here
-    /// from answers mislabelled as cold on a busy Pod) makes a true prefill
-    /// there look like a small share of its TTFT, and such samples must
-    /// still raise it.
+    /// The guard above judges the share at no less than the prior's cost: a
+    /// prefill cost learnt far too low (here from answers mislabelled as
+    /// cold on a busy Pod) would make a true prefill there look like a small
+    /// share of its TTFT, and such samples must still raise it.
     #[test]
     fn an_underestimated_prefill_cost_is_corrected_by_true_prefills_on_a_busy_pod() {
         let law = Law {
