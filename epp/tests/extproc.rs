@@ -772,3 +772,130 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     assert_eq!(state.stats.running(), 10);
     drop(open);
 }
+
+/// A prefix's Pod has a queue its engine reports; another Pod is idle and
+/// would have to prefill the prefix. For a prompt one earlier request
+/// shared, the queue costs less than the prefill: it stays. For a group that
+/// a dozen earlier requests shared, the new replica's prefill is shared by
+/// the group's next requests, and the group spreads, once the Pods' models
+/// are trained on their answers. Right after, the pool pays for no other
+/// replica: a second such group stays. All asked against the same metrics.
+#[tokio::test]
+async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time() {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_secs(60),
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(&format!(
+            "{POOL}rules:\n  - name: fast\n    route: {{ select: [{{ minimize: PredictedTTFT }}] }}\n"
+        ))
+        .expect("policy compiles");
+    let (busy, idle) = ("10.0.0.1:8000", "10.0.0.2:8000");
+    let specs = [busy, idle].map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    let scrape = |waiting_on_busy: f64| {
+        for ep in epp.registry().endpoints() {
+            let waiting = if ep.address() == busy {
+                waiting_on_busy
+            } else {
+                0.0
+            };
+            let m = ScrapedMetrics {
+                waiting,
+                ..ScrapedMetrics::empty(std::time::Instant::now())
+            };
+            epp.registry().set_metrics(&ep.name, m);
+        }
+    };
+    scrape(0.0);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = epp.clone();
+    tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, std::future::pending())
+            .await
+            .unwrap()
+    });
+    let client = EppClient::connect(addr).await.unwrap();
+    let request = |system: &str, question: usize, only: Option<&str>| {
+        let body = json!({
+            "model": "qwen",
+            "messages": [
+                { "role": "system", "content": system },
+                { "role": "user", "content": format!("Question {question}?") }
+            ]
+        });
+        let mut request =
+            HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap());
+        request.subset = only.map(|a| vec![a.to_string()]);
+        request
+    };
+    let ask = |system: String, question: usize, only: Option<&str>| {
+        let request = request(&system, question, only);
+        let client = &client;
+        async move {
+            let (outcome, _) = client.decide(&request).await.unwrap();
+            outcome
+                .destination()
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let lonely = "A system prompt one user sent. ".repeat(775);
+    let team = "A system prompt the whole team sends. ".repeat(632);
+    let other_team = "Another team's system prompt, as hot. ".repeat(632);
+    assert_eq!(ask(lonely.clone(), 0, Some(busy)).await, busy);
+    for question in 0..12 {
+        assert_eq!(ask(team.clone(), question, Some(busy)).await, busy);
+        assert_eq!(ask(other_team.clone(), question, Some(busy)).await, busy);
+    }
+    // Two requests wait on the busy Pod: about 0.5 s by the model, against
+    // 1.2 s to prefill a 6,000-token system prompt elsewhere. A scrape also
+    // ends the routes' reservations.
+    scrape(2.0);
+    assert_eq!(
+        ask(team.clone(), 12, None).await,
+        busy,
+        "no replica is paid for against the prior's guess of a queue"
+    );
+    // Each Pod's model learns from its own answers (short prompts in 20 ms,
+    // as the prior has it, on idle engines).
+    scrape(0.0);
+    for pod in [busy, idle] {
+        for i in 0..20 {
+            let (outcome, mut stream) = client.decide(&request("Hi.", i, Some(pod))).await.unwrap();
+            assert_eq!(outcome.destination(), Some(pod));
+            stream
+                .response_headers(200, Some(pod), Some(20.0))
+                .await
+                .unwrap();
+            stream.finish().await.unwrap();
+        }
+    }
+    scrape(2.0);
+    assert_eq!(
+        ask(lonely, 1, None).await,
+        busy,
+        "one earlier request does not pay for a replica"
+    );
+    scrape(2.0);
+    assert_eq!(
+        ask(team, 13, None).await,
+        idle,
+        "twelve earlier requests share the replica's prefill"
+    );
+    scrape(2.0);
+    assert_eq!(
+        ask(other_team, 12, None).await,
+        busy,
+        "one replica at a time"
+    );
+}

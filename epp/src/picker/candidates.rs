@@ -18,13 +18,18 @@ use crate::kv_events::PodKvIndex;
 use crate::kv_events::pool::PoolIndex;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
-use crate::predict::{DestinationState, TtftFeatures};
+use crate::predict::{DestinationState, TtftFeatures, reuse};
 
 /// Candidates with what the pick needs to act on each.
 pub struct CandidateSet {
     pub candidates: Vec<Candidate>,
     states: Vec<Arc<DestinationState>>,
     features: Vec<Option<TtftFeatures>>,
+    /// Local candidates' TTFT as predicted for this request alone, before a
+    /// replica's prefill is shared (`predict::reuse`); `None` for providers.
+    predicted: Vec<Option<f64>>,
+    /// Candidates priced as a new replica of the prompt's prefix.
+    seeds: Vec<usize>,
     /// Local candidates' cached-prefix predictions; `None` for providers.
     prefixes: Vec<Option<PrefixPrediction>>,
 }
@@ -60,6 +65,8 @@ impl CandidateSet {
             candidates: Vec::with_capacity(snapshot.len() + compiled.providers.len()),
             states: Vec::new(),
             features: Vec::new(),
+            predicted: Vec::new(),
+            seeds: Vec::new(),
             prefixes: Vec::new(),
         };
         // Each endpoint's address is formatted once per request.
@@ -165,9 +172,11 @@ impl CandidateSet {
                 });
                 set.states.push(Arc::clone(state));
                 set.features.push(features);
+                set.predicted.push(predicted);
                 set.prefixes.push(Some(prefix));
             }
         }
+        set.share_replica_prefills(picker, &units, hashes, now);
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
             let live = state.stats.snapshot(now);
@@ -189,6 +198,7 @@ impl CandidateSet {
                 });
                 set.states.push(Arc::clone(&state));
                 set.features.push(None);
+                set.predicted.push(None);
                 set.prefixes.push(None);
             }
         }
@@ -213,6 +223,9 @@ impl CandidateSet {
             Decision::Route(routed) => {
                 let rule = compiled.rules[routed.rule].name.clone();
                 let winner = &self.candidates[routed.winner];
+                if self.seeds.contains(&routed.winner) {
+                    picker.seeds.seeded(Instant::now());
+                }
                 match winner.kind {
                     CandidateType::Local => Pick::Local(LocalPick {
                         rule,
@@ -231,7 +244,7 @@ impl CandidateSet {
                         .filter(|target| *target != request.model),
                         state: Arc::clone(&self.states[routed.winner]),
                         features: self.features[routed.winner],
-                        predicted_ttft: winner.metrics.predicted_ttft,
+                        predicted_ttft: self.predicted[routed.winner],
                         prefix: self.prefixes[routed.winner],
                         prefix_hashes: Vec::new(),
                         detail: None,
@@ -265,6 +278,75 @@ impl CandidateSet {
                 }
             }
         }
+    }
+}
+
+impl CandidateSet {
+    /// A local candidate that lacks part of the prefix the best-cached one
+    /// holds is priced with that part's prefill divided among the recent
+    /// requests that shared it (`predict::reuse`): a hot group spreads once
+    /// its Pod's queue costs more than its share of a new replica.
+    fn share_replica_prefills(
+        &mut self,
+        picker: &Picker,
+        units: &PromptUnits,
+        hashes: &[u64],
+        now: Instant,
+    ) {
+        let best = self
+            .prefixes
+            .iter()
+            .flatten()
+            .map(|p| p.cached_tokens)
+            .fold(0.0, f64::max);
+        if best <= 0.0 {
+            return;
+        }
+        let shared: Vec<f64> = picker
+            .routes
+            .shared_blocks(hashes, now)
+            .into_iter()
+            .map(|blocks| units.of_estimate(blocks))
+            .collect();
+        if shared.is_empty() || !picker.seeds.is_open(now) || !self.holders_queue(picker, best) {
+            return;
+        }
+        for (i, candidate) in self.candidates.iter_mut().enumerate() {
+            let (Some(prefix), Some(features), Some(predicted)) =
+                (self.prefixes[i], self.features[i], self.predicted[i])
+            else {
+                continue;
+            };
+            if prefix.cached_tokens >= best || features.waiting > 0.0 {
+                continue;
+            }
+            let as_best = TtftFeatures {
+                uncached_tokens: (prefix.prompt - best).max(0.0),
+                ..features
+            };
+            let at_best = picker.ttft.predict(&self.states[i].ttft, &as_best);
+            let reusers = reuse::reusers(&shared, prefix.cached_tokens, best);
+            candidate.metrics.predicted_ttft = Some(reuse::amortized(predicted, at_best, reusers));
+            self.seeds.push(i);
+        }
+    }
+}
+
+impl CandidateSet {
+    /// Whether every local candidate holding the best prefix has requests
+    /// waiting in its engine, as scraped, and a model trained on its own
+    /// answers: a replica pays only for a queue the engine reports, not for
+    /// one the model guesses (the prior's is a quarter second a request).
+    fn holders_queue(&self, picker: &Picker, best: f64) -> bool {
+        let trained = picker.ttft.config().min_endpoint_observations;
+        let mut holders = (0..self.candidates.len())
+            .filter(|&i| self.prefixes[i].is_some_and(|p| p.cached_tokens >= best))
+            .peekable();
+        holders.peek().is_some()
+            && holders.all(|i| {
+                self.features[i].is_some_and(|f| f.waiting >= 1.0)
+                    && picker.ttft.observations(&self.states[i].ttft) >= trained
+            })
     }
 }
 

@@ -35,9 +35,15 @@ use crate::kv_events::precise::PreciseMode;
 use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
 use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
+use crate::predict::reuse::SeedGate;
 use crate::predict::{
-    DestinationState, InflightGuard, Outcome, TtftFeatures, TtftPredictor, TtftSample, block_hashes,
+    DestinationState, InflightGuard, Outcome, RoutedPrefixes, TtftFeatures, TtftPredictor,
+    TtftSample, block_hashes,
 };
+
+/// Block hashes of the pool's recent routes (1 MiB): about 350 prompts of
+/// 24 KB, the whole window at a hundred requests a second.
+const POOL_ROUTE_HASHES: usize = 32 * crate::predict::MAX_BLOCKS;
 
 pub const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
 pub const MODEL_HEADER: &str = "x-gateway-model-name";
@@ -72,6 +78,11 @@ pub struct Picker {
     pub classifiers: ClassifierRunner,
     pub metrics: Arc<Metrics>,
     pub recent: RecentDecisions,
+    /// Prompts routed to any of the pool's Pods in the last seconds: how
+    /// many requests share a prefix (`predict::reuse`).
+    pub routes: RoutedPrefixes,
+    /// When the pool last paid a prefill for a new replica.
+    pub seeds: SeedGate,
     /// `--decision-log`, set once at start.
     pub decision_log: std::sync::OnceLock<DecisionLog>,
     /// `--kv-events-port`: the tokenizer of precise prefix mode.
@@ -162,6 +173,12 @@ impl Picker {
         metrics: Arc<Metrics>,
         config: PickerConfig,
     ) -> Self {
+        let seeds = SeedGate::default();
+        metrics.register_counter(
+            "replica_seeds",
+            "Requests sent to a Pod without their prefix so that a group many recent requests shared gets another replica (each pays the prefill)",
+            seeds.seeded.clone(),
+        );
         Picker {
             policy,
             registry,
@@ -170,6 +187,8 @@ impl Picker {
             classifiers: ClassifierRunner::default(),
             metrics,
             recent: RecentDecisions::new(64),
+            routes: RoutedPrefixes::with_capacity(POOL_ROUTE_HASHES),
+            seeds,
             decision_log: std::sync::OnceLock::new(),
             precise: std::sync::OnceLock::new(),
             config,
@@ -426,10 +445,12 @@ impl Router for Picker {
                 let now = Instant::now();
                 local.state.kv.note_routed(now);
                 let (state, hashes) = (local.state, local.prefix_hashes);
+                let chain: Arc<[u64]> = hashes.as_slice().into();
                 if self.precise.get().is_some() {
                     // Precise mode: the Pod's events will trail this route.
-                    state.routed.record(hashes.as_slice().into(), now);
+                    state.routed.record(Arc::clone(&chain), now);
                 }
+                self.routes.record(chain, now);
                 tokio::spawn(async move { state.prefix.record(&hashes) });
                 let route = Route::Local(LocalRoute {
                     rule: local.rule,

@@ -14,6 +14,9 @@
 //!   circuit breaker, for local endpoints and providers alike.
 //! - [`routed`]: [`RoutedPrefixes`], the prompts a destination was sent in
 //!   the last seconds, which its KV events have not reported yet.
+//! - [`reuse`]: how many recent requests share the prefix a candidate
+//!   lacks, and its prefill divided among them (`PredictedTTFT` of a group's
+//!   next replica).
 //! - [`sample`]: [`TtftSample`], one served request's TTFT, learnt by the
 //!   model once the engine has said how much of the prompt it had cached.
 //! - [`destination`]: [`DestinationState`], all of the above for one
@@ -21,6 +24,7 @@
 
 pub mod destination;
 pub mod prefix;
+pub mod reuse;
 pub mod routed;
 pub mod sample;
 pub mod stats;

@@ -12,8 +12,11 @@
 //! Pod remembers what it was sent for [`WINDOW`], and the picker counts the
 //! longer of that and its events.
 //!
-//! Bounded: at most [`MAX_HASHES`] block hashes per destination (64 KiB),
-//! the oldest routes dropped first.
+//! The picker keeps one more for the whole pool, to count how many recent
+//! requests shared a prompt's prefix (see `predict::reuse`).
+//!
+//! Bounded: at most [`MAX_HASHES`] block hashes per destination (64 KiB), or
+//! the capacity given, the oldest routes dropped first.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -30,9 +33,16 @@ pub const WINDOW: Duration = Duration::from_secs(3);
 /// Block hashes kept per destination, all routes together.
 const MAX_HASHES: usize = 2 * MAX_BLOCKS;
 
-#[derive(Default)]
 pub struct RoutedPrefixes {
     routes: Mutex<Routes>,
+    /// Block hashes kept, all routes together.
+    capacity: usize,
+}
+
+impl Default for RoutedPrefixes {
+    fn default() -> Self {
+        Self::with_capacity(MAX_HASHES)
+    }
 }
 
 #[derive(Default)]
@@ -43,9 +53,9 @@ struct Routes {
 }
 
 impl Routes {
-    fn expire(&mut self, now: Instant) {
+    fn expire(&mut self, now: Instant, capacity: usize) {
         while let Some((at, chain)) = self.recent.front() {
-            if now.saturating_duration_since(*at) < WINDOW && self.hashes <= MAX_HASHES {
+            if now.saturating_duration_since(*at) < WINDOW && self.hashes <= capacity {
                 break;
             }
             self.hashes -= chain.len();
@@ -55,27 +65,44 @@ impl Routes {
 }
 
 impl RoutedPrefixes {
+    /// Keeps at most `capacity` block hashes, all routes together.
+    pub fn with_capacity(capacity: usize) -> Self {
+        RoutedPrefixes {
+            routes: Mutex::default(),
+            capacity,
+        }
+    }
+
     /// A request with this chain was routed here at `now`.
     pub fn record(&self, chain: Arc<[u64]>, now: Instant) {
-        if chain.is_empty() || chain.len() > MAX_HASHES {
+        if chain.is_empty() || chain.len() > self.capacity {
             return;
         }
         let mut routes = lock(&self.routes);
         routes.hashes += chain.len();
         routes.recent.push_back((now, chain));
-        routes.expire(now);
+        routes.expire(now, self.capacity);
     }
 
     /// Leading blocks of `chain` that a route of the last [`WINDOW`] shared.
     pub fn cached_blocks(&self, chain: &[u64], now: Instant) -> usize {
+        self.shared_blocks(chain, now)
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// For each route of the last [`WINDOW`] that shared a leading block
+    /// with `chain`, how many it shared.
+    pub fn shared_blocks(&self, chain: &[u64], now: Instant) -> Vec<usize> {
         let mut routes = lock(&self.routes);
-        routes.expire(now);
+        routes.expire(now, self.capacity);
         routes
             .recent
             .iter()
             .map(|(_, routed)| common_prefix(routed, chain))
-            .max()
-            .unwrap_or(0)
+            .filter(|&shared| shared > 0)
+            .collect()
     }
 }
 
@@ -115,6 +142,35 @@ mod tests {
         let within = t0 + WINDOW - Duration::from_millis(1);
         assert_eq!(routed.cached_blocks(&chain(1, 100), within), 100);
         assert_eq!(routed.cached_blocks(&chain(1, 100), t0 + WINDOW), 0);
+    }
+
+    #[test]
+    fn each_recent_route_tells_how_much_it_shared() {
+        let routed = RoutedPrefixes::default();
+        let t0 = Instant::now();
+        routed.record(chain(1, 100), t0);
+        routed.record(chain(2, 100), t0);
+        // The same 90 leading blocks, then a question of its own (a chain
+        // differs from its first differing block on).
+        let question: Vec<u64> = chain(1, 90)
+            .iter()
+            .chain(&chain(9, 10)[..])
+            .copied()
+            .collect();
+        routed.record(question.into(), t0);
+        let mut shared = routed.shared_blocks(&chain(1, 120), t0);
+        shared.sort_unstable();
+        assert_eq!(shared, vec![90, 100], "the other group shares nothing");
+    }
+
+    #[test]
+    fn a_larger_capacity_keeps_more_routes() {
+        let routed = RoutedPrefixes::with_capacity(10 * MAX_BLOCKS);
+        let t0 = Instant::now();
+        for group in 0..12 {
+            routed.record(chain(group, MAX_BLOCKS as u64), t0);
+        }
+        assert_eq!(lock(&routed.routes).recent.len(), 10);
     }
 
     #[test]
