@@ -782,17 +782,60 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
 /// replica: a second such group stays. All asked against the same metrics.
 #[tokio::test]
 async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time() {
+    let (busy, idle) = (BUSY, IDLE);
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let seen = queued_prefix_case(route).await;
+    assert_eq!(
+        seen.untrained_group, busy,
+        "no replica is paid for against the prior's guess of a queue"
+    );
+    assert_eq!(
+        seen.lonely, busy,
+        "one earlier request does not pay for a replica"
+    );
+    assert_eq!(
+        seen.group, idle,
+        "twelve earlier requests share the replica's prefill"
+    );
+    assert_eq!(seen.other_group, busy, "one replica at a time");
+    assert_eq!(seen.seeds, 1);
+}
+
+/// The same, under a policy that bounds `PredictedTTFT` (a TTFT SLO): the
+/// bound must see each request's own prefill, so nothing is shared.
+#[tokio::test]
+async fn a_policy_that_bounds_predicted_ttft_prices_each_request_alone() {
+    let route = "route:\n      exclude: [{ drop: { PredictedTTFT: { greaterThan: 30s } } }]\n      select: [{ minimize: PredictedTTFT }]";
+    let seen = queued_prefix_case(route).await;
+    assert_eq!(seen.group, BUSY, "the group stays with its prefix");
+    assert_eq!(seen.other_group, BUSY);
+    assert_eq!(seen.seeds, 0);
+}
+
+const BUSY: &str = "10.0.0.1:8000";
+const IDLE: &str = "10.0.0.2:8000";
+
+/// Where each request of [`queued_prefix_case`] went.
+struct QueuedPrefixCase {
+    untrained_group: String,
+    lonely: String,
+    group: String,
+    other_group: String,
+    seeds: u64,
+}
+
+/// One rule with `route`, two Pods: [`BUSY`] holds the prefixes and has two
+/// requests waiting, [`IDLE`] holds none.
+async fn queued_prefix_case(route: &str) -> QueuedPrefixCase {
     use kinference_epp::endpoints::ScrapedMetrics;
     let epp = Epp::new(Settings {
         scrape_interval: Duration::from_secs(60),
         ..Settings::default()
     });
     epp.policy()
-        .load_text(&format!(
-            "{POOL}rules:\n  - name: fast\n    route: {{ select: [{{ minimize: PredictedTTFT }}] }}\n"
-        ))
+        .load_text(&format!("{POOL}rules:\n  - name: fast\n    {route}\n"))
         .expect("policy compiles");
-    let (busy, idle) = ("10.0.0.1:8000", "10.0.0.2:8000");
+    let (busy, idle) = (BUSY, IDLE);
     let specs = [busy, idle].map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
     epp.registry()
         .replace_all(endpoints_from_specs(specs).unwrap());
@@ -861,11 +904,7 @@ async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_ti
     // 1.2 s to prefill a 6,000-token system prompt elsewhere. A scrape also
     // ends the routes' reservations.
     scrape(2.0);
-    assert_eq!(
-        ask(team.clone(), 12, None).await,
-        busy,
-        "no replica is paid for against the prior's guess of a queue"
-    );
+    let untrained_group = ask(team.clone(), 12, None).await;
     // Each Pod's model learns from its own answers (short prompts in 20 ms,
     // as the prior has it, on idle engines).
     scrape(0.0);
@@ -881,21 +920,23 @@ async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_ti
         }
     }
     scrape(2.0);
-    assert_eq!(
-        ask(lonely, 1, None).await,
-        busy,
-        "one earlier request does not pay for a replica"
-    );
+    let lonely = ask(lonely, 1, None).await;
     scrape(2.0);
-    assert_eq!(
-        ask(team, 13, None).await,
-        idle,
-        "twelve earlier requests share the replica's prefill"
-    );
+    let group = ask(team, 13, None).await;
     scrape(2.0);
-    assert_eq!(
-        ask(other_team, 12, None).await,
-        busy,
-        "one replica at a time"
-    );
+    let other_group = ask(other_team, 12, None).await;
+    let metrics = epp.picker.metrics.render(epp.registry(), None);
+    let seeds = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kinference_epp_replica_seeds_total "))
+        .expect("the seeds are counted")
+        .parse()
+        .unwrap();
+    QueuedPrefixCase {
+        untrained_group,
+        lonely,
+        group,
+        other_group,
+        seeds,
+    }
 }

@@ -36,6 +36,11 @@ pub struct Reads {
     pub headers: BTreeSet<String>,
     /// Whether any predicate reads a candidate's `label.<key>`.
     pub labels: bool,
+    /// Whether a tier ranks by `minimize: PredictedTTFT`.
+    pub ranks_by_predicted_ttft: bool,
+    /// Whether any candidate predicate (`exclude`, a tier's `if`) reads
+    /// `PredictedTTFT`: a bound on the request's own TTFT, such as an SLO.
+    pub filters_on_predicted_ttft: bool,
 }
 
 impl Reads {
@@ -48,12 +53,12 @@ impl Reads {
                 }
             }
         };
-        let mut labels = false;
+        let (mut labels, mut filters_ttft) = (false, false);
         let mut candidate = |entries: &[Conjunction<CandidateAttr>]| {
-            labels |= entries
-                .iter()
-                .flatten()
-                .any(|p| matches!(p.attr, CandidateAttr::Label(_)));
+            for p in entries.iter().flatten() {
+                labels |= matches!(p.attr, CandidateAttr::Label(_));
+                filters_ttft |= matches!(p.attr, CandidateAttr::Metric(Metric::PredictedTtft));
+            }
         };
         for rule in rules {
             if let Some(m) = &rule.matches {
@@ -69,9 +74,12 @@ impl Reads {
                 if let Some(w) = &tier.when {
                     candidate(w);
                 }
+                reads.ranks_by_predicted_ttft |=
+                    matches!(tier.rank, Rank::Minimize(Metric::PredictedTtft));
             }
         }
         reads.labels = labels;
+        reads.filters_on_predicted_ttft = filters_ttft;
         reads
     }
 }
@@ -388,5 +396,39 @@ rules:
         )
         .unwrap();
         assert!(plain.reads.headers.is_empty() && !plain.reads.labels);
+        assert!(!plain.reads.ranks_by_predicted_ttft && !plain.reads.filters_on_predicted_ttft);
+    }
+
+    #[test]
+    fn the_compiler_says_whether_a_policy_ranks_by_or_bounds_predicted_ttft() {
+        let pool = "pool: { selector: { app: m }, targetPorts: [{ number: 8000 }] }\n";
+        let ranked = compile_text(&format!(
+            "{pool}rules:\n  - name: fast\n    route: {{ select: [{{ minimize: PredictedTTFT }}] }}\n"
+        ))
+        .unwrap();
+        assert!(ranked.reads.ranks_by_predicted_ttft);
+        assert!(!ranked.reads.filters_on_predicted_ttft);
+        let bounded = compile_text(&format!(
+            "{pool}rules:
+  - name: slo
+    route:
+      exclude: [{{ drop: {{ PredictedTTFT: {{ greaterThan: 500ms }} }} }}]
+      select: [{{ minimize: QueueDepth }}]
+"
+        ))
+        .unwrap();
+        assert!(bounded.reads.filters_on_predicted_ttft);
+        assert!(!bounded.reads.ranks_by_predicted_ttft);
+        let in_a_tier = compile_text(&format!(
+            "{pool}rules:
+  - name: slo
+    route:
+      select:
+        - {{ type: Local, if: {{ PredictedTTFT: {{ lessThan: 1s }} }}, minimize: PredictedTTFT }}
+"
+        ))
+        .unwrap();
+        assert!(in_a_tier.reads.filters_on_predicted_ttft);
+        assert!(in_a_tier.reads.ranks_by_predicted_ttft);
     }
 }

@@ -176,7 +176,7 @@ impl CandidateSet {
                 set.prefixes.push(Some(prefix));
             }
         }
-        set.share_replica_prefills(picker, &units, hashes, now);
+        set.share_replica_prefills(picker, policy, &units, hashes, now);
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
             let live = state.stats.snapshot(now);
@@ -283,70 +283,92 @@ impl CandidateSet {
 
 impl CandidateSet {
     /// A local candidate that lacks part of the prefix the best-cached one
-    /// holds is priced with that part's prefill divided among the recent
-    /// requests that shared it (`predict::reuse`): a hot group spreads once
-    /// its Pod's queue costs more than its share of a new replica.
+    /// of its model holds is priced with that part's prefill divided among
+    /// the recent requests that shared it (`predict::reuse`): a hot group
+    /// spreads once its Pod's queue costs more than its share of a new
+    /// replica. Only for a policy that ranks by `PredictedTTFT` and bounds
+    /// it nowhere: an SLO on the request's own TTFT must see its full
+    /// prefill.
     fn share_replica_prefills(
         &mut self,
         picker: &Picker,
+        policy: &LoadedPolicy,
         units: &PromptUnits,
         hashes: &[u64],
         now: Instant,
     ) {
-        let best = self
-            .prefixes
-            .iter()
-            .flatten()
-            .map(|p| p.cached_tokens)
-            .fold(0.0, f64::max);
-        if best <= 0.0 {
+        let reads = &policy.compiled.reads;
+        if !reads.ranks_by_predicted_ttft
+            || reads.filters_on_predicted_ttft
+            || !picker.seeds.is_open(now)
+        {
             return;
         }
-        let shared: Vec<f64> = picker
-            .routes
-            .shared_blocks(hashes, now)
-            .into_iter()
-            .map(|blocks| units.of_estimate(blocks))
-            .collect();
-        if shared.is_empty() || !picker.seeds.is_open(now) || !self.holders_queue(picker, best) {
-            return;
-        }
-        for (i, candidate) in self.candidates.iter_mut().enumerate() {
+        let mut holders: Vec<(String, Option<f64>)> = Vec::new();
+        let mut shared: Option<Vec<f64>> = None;
+        for i in 0..self.candidates.len() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
             else {
                 continue;
             };
-            if prefix.cached_tokens >= best || features.waiting > 0.0 {
+            if features.waiting > 0.0 {
                 continue;
             }
+            let model = &self.candidates[i].model;
+            let best = match holders.iter().find(|(m, _)| m == model) {
+                Some((_, best)) => *best,
+                None => {
+                    let best = self.queued_best(picker, model);
+                    holders.push((model.clone(), best));
+                    best
+                }
+            };
+            let Some(best) = best.filter(|&best| prefix.cached_tokens < best) else {
+                continue;
+            };
+            let shared = shared.get_or_insert_with(|| {
+                picker
+                    .routes
+                    .shared_blocks(hashes, now)
+                    .into_iter()
+                    .map(|blocks| units.of_estimate(blocks))
+                    .collect()
+            });
             let as_best = TtftFeatures {
                 uncached_tokens: (prefix.prompt - best).max(0.0),
                 ..features
             };
             let at_best = picker.ttft.predict(&self.states[i].ttft, &as_best);
-            let reusers = reuse::reusers(&shared, prefix.cached_tokens, best);
-            candidate.metrics.predicted_ttft = Some(reuse::amortized(predicted, at_best, reusers));
-            self.seeds.push(i);
+            let reusers = reuse::reusers(shared, prefix.cached_tokens, best);
+            let price = reuse::amortized(predicted, at_best, reusers);
+            if price < predicted {
+                self.candidates[i].metrics.predicted_ttft = Some(price);
+                self.seeds.push(i);
+            }
         }
     }
-}
 
-impl CandidateSet {
-    /// Whether every local candidate holding the best prefix has requests
-    /// waiting in its engine, as scraped, and a model trained on its own
-    /// answers: a replica pays only for a queue the engine reports, not for
-    /// one the model guesses (the prior's is a quarter second a request).
-    fn holders_queue(&self, picker: &Picker, best: f64) -> bool {
+    /// The best cached prefix among the local candidates of `model`, if
+    /// every one holding it has requests waiting in its engine, as scraped,
+    /// and a model trained on its own answers: a replica pays only for a
+    /// queue the engine reports, not for one the model guesses (the prior's
+    /// is a quarter second a request).
+    fn queued_best(&self, picker: &Picker, model: &str) -> Option<f64> {
         let trained = picker.ttft.config().min_endpoint_observations;
-        let mut holders = (0..self.candidates.len())
-            .filter(|&i| self.prefixes[i].is_some_and(|p| p.cached_tokens >= best))
-            .peekable();
-        holders.peek().is_some()
-            && holders.all(|i| {
+        let of_model = || {
+            (0..self.candidates.len())
+                .filter(|&i| self.candidates[i].model == model)
+                .filter_map(|i| self.prefixes[i].map(|p| (i, p.cached_tokens)))
+        };
+        let best = of_model().map(|(_, cached)| cached).fold(0.0, f64::max);
+        let queued = of_model()
+            .filter(|&(_, cached)| cached >= best)
+            .all(|(i, _)| {
                 self.features[i].is_some_and(|f| f.waiting >= 1.0)
                     && picker.ttft.observations(&self.states[i].ttft) >= trained
-            })
+            });
+        (best > 0.0 && queued).then_some(best)
     }
 }
 

@@ -78,10 +78,10 @@ pub struct Picker {
     pub classifiers: ClassifierRunner,
     pub metrics: Arc<Metrics>,
     pub recent: RecentDecisions,
-    /// Prompts routed to any of the pool's Pods in the last seconds: how
-    /// many requests share a prefix (`predict::reuse`).
+    /// Prompts this EPP routed to any of the pool's Pods in the last
+    /// seconds: how many requests share a prefix (`predict::reuse`).
     pub routes: RoutedPrefixes,
-    /// When the pool last paid a prefill for a new replica.
+    /// When this EPP last paid a prefill for a new replica.
     pub seeds: SeedGate,
     /// `--decision-log`, set once at start.
     pub decision_log: std::sync::OnceLock<DecisionLog>,

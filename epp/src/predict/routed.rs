@@ -86,8 +86,12 @@ impl RoutedPrefixes {
 
     /// Leading blocks of `chain` that a route of the last [`WINDOW`] shared.
     pub fn cached_blocks(&self, chain: &[u64], now: Instant) -> usize {
-        self.shared_blocks(chain, now)
-            .into_iter()
+        let mut routes = lock(&self.routes);
+        routes.expire(now, self.capacity);
+        routes
+            .recent
+            .iter()
+            .map(|(_, routed)| common_prefix(routed, chain))
             .max()
             .unwrap_or(0)
     }
