@@ -42,6 +42,11 @@ fn free_port() -> u16 {
     kinference_testbed::free_port().expect("a free port")
 }
 
+/// [`policy`], ranked by `PredictedTTFT` (which counts the cached prefix).
+fn policy_predicted_ttft(port: u16) -> String {
+    policy(port).replace("maximize: CachedPrefixTokens", "minimize: PredictedTTFT")
+}
+
 /// [`policy`], with ties broken at random instead of in rank order.
 fn policy_random_ties(port: u16) -> String {
     policy(port).replace(
@@ -111,6 +116,10 @@ struct Pool {
 
 impl Pool {
     async fn start(tokenizer: Tokenizer) -> Pool {
+        Self::start_with(tokenizer, policy).await
+    }
+
+    async fn start_with(tokenizer: Tokenizer, policy: fn(u16) -> String) -> Pool {
         let sim_bin = ensure_llmd_sim().await.expect("llm-d-inference-sim");
         let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let events_addr = events.local_addr().unwrap();
@@ -251,7 +260,16 @@ impl Pool {
 
 #[tokio::test]
 async fn a_request_goes_where_the_engines_events_say_its_prefix_is_cached() {
-    let pool = Pool::start(Tokenizer::simulator_dummy()).await;
+    goes_where_the_events_say(policy).await;
+}
+
+#[tokio::test]
+async fn predicted_ttft_counts_the_prefix_the_engines_events_say_is_cached() {
+    goes_where_the_events_say(policy_predicted_ttft).await;
+}
+
+async fn goes_where_the_events_say(policy: fn(u16) -> String) {
+    let pool = Pool::start_with(Tokenizer::simulator_dummy(), policy).await;
     // Each round warms one Pod directly: only its events can tell the EPP
     // where the prefix is. Six rounds over three Pods: a picker blind to
     // the events would pass by chance once in 729.
