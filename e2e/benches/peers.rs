@@ -21,7 +21,11 @@
 //! - `llmd`: the llm-d scheduler with the `epp-config.yaml` it ships;
 //! - `kinference-precise`: `kinference-ttft` in precise prefix mode, with
 //!   `--simulator llmd` only: the simulators publish their KV-cache events
-//!   to it, and it tokenizes as their dummy tokenizer does.
+//!   to it, and it tokenizes as their dummy tokenizer does;
+//! - `kinference-precise-qwen3`: `kinference-ttft` in precise prefix mode
+//!   with Qwen3's own tokenizer (`KINFERENCE_QWEN3_TOKENIZER`), in the
+//!   closed-loop phases only: what tokenizing adds to the request path
+//!   (under its time budget; no simulator's events match it).
 //!
 //! Workloads: (a) ~1 KB chats at c16 and c64, (b) 220 KB prompts at c150, both
 //! closed loop against simulators that answer at once (saturation: what is
@@ -234,10 +238,34 @@ struct Contender {
     route: Route,
     /// Policy (ours) or EndpointPickerConfig (peers) text; `None`: its default.
     config: Option<String>,
-    /// Our EPP in precise prefix mode: the simulators publish their KV
-    /// events to it (llm-d-inference-sim only).
-    kv_events: bool,
+    /// Our EPP in precise prefix mode, with this tokenizer.
+    kv_events: Option<EventsTokenizer>,
     what: &'static str,
+}
+
+/// The tokenizer of a contender in precise prefix mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EventsTokenizer {
+    /// llm-d-inference-sim's dummy tokenizer: the simulators publish their
+    /// KV events to the EPP, and they match (llm-d-inference-sim only).
+    SimulatorDummy,
+    /// Qwen3's own (`KINFERENCE_QWEN3_TOKENIZER`, from `bench/peers/install.sh
+    /// qwen3-tokenizer`), the one a real pool runs: what precise mode adds to
+    /// the request path. The closed-loop phases only: no simulator's events
+    /// would match it.
+    Qwen3,
+}
+
+impl EventsTokenizer {
+    /// `--kv-events-tokenizer`'s value.
+    fn arg(self) -> Result<std::ffi::OsString> {
+        match self {
+            EventsTokenizer::SimulatorDummy => Ok("simulator-dummy".into()),
+            EventsTokenizer::Qwen3 => std::env::var_os("KINFERENCE_QWEN3_TOKENIZER").context(
+                "KINFERENCE_QWEN3_TOKENIZER unset (bench/peers/install.sh qwen3-tokenizer prints it)",
+            ),
+        }
+    }
 }
 
 fn contenders(args: &Args) -> Vec<Contender> {
@@ -251,63 +279,73 @@ fn contenders(args: &Args) -> Vec<Contender> {
             name: "direct",
             route: Route::Direct,
             config: None,
-            kv_events: false,
+            kv_events: None,
             what: "clients → simulators, round-robin (baseline)",
         },
         Contender {
             name: "envoy-rr",
             route: Route::EnvoyRoundRobin,
             config: None,
-            kv_events: false,
+            kv_events: None,
             what: "Envoy round-robin, no ext_proc",
         },
         Contender {
             name: "kinference-queue",
             route: Route::Epp(Peer::Kinference),
             config: Some(QUEUE_POLICY.into()),
-            kv_events: false,
+            kv_events: None,
             what: "our EPP, one rule `minimize: QueueDepth`, `tieBreak: Random`",
         },
         Contender {
             name: "gie-queue",
             route: Route::Epp(Peer::Gie),
             config: Some(GIE_QUEUE_CONFIG.into()),
-            kv_events: false,
+            kv_events: None,
             what: "reference EPP, queue scorer only",
         },
         Contender {
             name: "kinference-ttft",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
-            kv_events: false,
+            kv_events: None,
             what: "our EPP, one rule `minimize: PredictedTTFT` (recommended)",
         },
         Contender {
             name: "kinference-precise",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
-            kv_events: true,
+            kv_events: Some(EventsTokenizer::SimulatorDummy),
             what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode (the simulators' KV events, their dummy tokenizer)",
+        },
+        Contender {
+            name: "kinference-precise-qwen3",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: Some(EventsTokenizer::Qwen3),
+            what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode with Qwen3's tokenizer (closed-loop phases only: what tokenizing adds to the request path; no events match)",
         },
         Contender {
             name: "gie-default",
             route: Route::Epp(Peer::Gie),
             config: None,
-            kv_events: false,
+            kv_events: None,
             what: "reference EPP, default profile (queue 2 + KV 2 + prefix 3)",
         },
         Contender {
             name: "llmd",
             route: Route::Epp(Peer::Llmd),
             config: llmd_config,
-            kv_events: false,
+            kv_events: None,
             what: "llm-d scheduler, its shipped epp-config.yaml",
         },
     ];
     all.into_iter()
         .filter(|c| args.only.is_empty() || args.only.iter().any(|o| o == c.name))
         // Our simulator publishes no KV events.
-        .filter(|c| !c.kv_events || args.simulator == Simulator::Llmd)
+        .filter(|c| {
+            c.kv_events != Some(EventsTokenizer::SimulatorDummy)
+                || args.simulator == Simulator::Llmd
+        })
         .collect()
 }
 
@@ -654,7 +692,7 @@ fn epp_command(
     config: Option<&Path>,
     kubeconfig: &Path,
     ports: [u16; 3],
-    kv_events: Option<u16>,
+    kv_events: Option<(u16, std::ffi::OsString)>,
 ) -> Command {
     let [grpc, health, metrics] = ports.map(|p| p.to_string());
     let mut cmd = Command::new(binary);
@@ -675,9 +713,10 @@ fn epp_command(
             if let Some(log) = std::env::var_os("KINFERENCE_BENCH_DECISION_LOG") {
                 cmd.arg("--decision-log").arg(log);
             }
-            if let Some(port) = kv_events {
+            if let Some((port, tokenizer)) = kv_events {
                 cmd.args(["--kv-events-port", &port.to_string()])
-                    .args(["--kv-events-tokenizer", "simulator-dummy"]);
+                    .arg("--kv-events-tokenizer")
+                    .arg(tokenizer);
             }
         }
         Peer::Gie | Peer::Llmd => {
@@ -700,7 +739,7 @@ impl EppProcess {
         config: Option<&str>,
         port: u16,
         kubeconfig: &Path,
-        kv_events: Option<u16>,
+        kv_events: Option<(u16, EventsTokenizer)>,
     ) -> Result<EppProcess> {
         let dir = scratch_dir()?;
         let config_path = match config {
@@ -719,7 +758,9 @@ impl EppProcess {
             config_path.as_deref(),
             kubeconfig,
             ports,
-            kv_events,
+            kv_events
+                .map(|(port, tokenizer)| anyhow::Ok((port, tokenizer.arg()?)))
+                .transpose()?,
         )
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -1399,7 +1440,7 @@ impl Bench {
                     contender.config.as_deref(),
                     self.port,
                     &self.kubeconfig,
-                    contender.kv_events.then_some(self.events_port),
+                    contender.kv_events.map(|t| (self.events_port, t)),
                 )
                 .await?;
                 let b = self.bootstrap(Template::Streamed, epp.grpc, sims.to_vec());
@@ -1491,6 +1532,7 @@ impl Bench {
         self.binaries.inference_perf.is_some()
             && self.args.wants_workload(IP_WORKLOAD)
             && contender.route != Route::Direct
+            && contender.kv_events != Some(EventsTokenizer::Qwen3)
     }
 
     /// Timed simulators, started empty for this contender, the same as (c)'s;
@@ -1500,12 +1542,12 @@ impl Bench {
             Some(bin) if self.args.simulator == Simulator::Llmd => {
                 let events = contender
                     .kv_events
-                    .then(|| SocketAddr::from(([127, 0, 0, 1], self.events_port)));
+                    .map(|_| SocketAddr::from(([127, 0, 0, 1], self.events_port)));
                 Sims::start_llmd(bin, self.args.pods, self.port, events).await
             }
             _ => {
                 ensure!(
-                    !contender.kv_events,
+                    contender.kv_events.is_none(),
                     "precise prefix mode needs KV events: --simulator llmd"
                 );
                 Sims::start(self.args.pods, self.port, SimShape::Timed).await
@@ -1613,6 +1655,9 @@ impl Bench {
 
     /// (c), (d), (e) as `--workloads` asks.
     fn run_open_workloads(&self, contender: &Contender, report: &mut Report) -> Result<()> {
+        if contender.kv_events == Some(EventsTokenizer::Qwen3) {
+            return Ok(());
+        }
         for (i, w) in OPEN_WORKLOADS.iter().enumerate() {
             if self.args.wants_workload(w.name) {
                 self.run_open_workload(contender, i, report)
