@@ -1,8 +1,8 @@
 //! Prompts as the engine tokenizes them, for matching against what its KV
 //! events say it holds.
 //!
-//! Tokenizing runs off the async runtime, at most [`MAX_IN_FLIGHT`] at once,
-//! and within a time budget: a request whose prompt is not tokenized in time
+//! Tokenizing runs off the async runtime, on at most half the cores at
+//! once ([`slots`]), and within a time budget: a request whose prompt is not tokenized in time
 //! (or finds every tokenizer busy) is matched by the approximate index
 //! instead, and the metrics say so.
 
@@ -21,8 +21,15 @@ use super::index::{chain_root, token_chain};
 use crate::extproc::body::ParsedBody;
 use crate::predict::MAX_BLOCKS;
 
-/// Tokenizations running at once, at most.
-pub const MAX_IN_FLIGHT: usize = 4;
+/// Tokenizations running at once, at most: half the cores, 1 to 4. A
+/// tokenization over its budget runs on (its ids are kept for the prompt's
+/// next sighting), so every slot is a core's worth of CPU taken from the
+/// proxy and the EPP itself: with 4 slots on 2 cores, 220 KB prompts at
+/// c150 took 2.3× the time to serve (BENCHMARKS, issue 14).
+pub fn slots() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 2).clamp(1, 4)
+}
 
 /// What a tokenizer needs of a request: the prompt text as the EPP parsed
 /// it, and for chat requests each message's role and content in it.
@@ -165,7 +172,7 @@ impl PromptTokenizer {
         PromptTokenizer {
             tokenizer: Arc::new(tokenizer),
             budget,
-            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            slots: Arc::new(Semaphore::new(slots())),
             outcomes: Family::default(),
         }
     }
@@ -292,7 +299,7 @@ mod tests {
         };
         assert!(t.tokenize(big).await.is_none());
         let t = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::from_secs(5));
-        let _held: Vec<_> = (0..MAX_IN_FLIGHT)
+        let _held: Vec<_> = (0..slots())
             .map(|_| Arc::clone(&t.slots).try_acquire_owned().unwrap())
             .collect();
         assert!(t.tokenize(chat(&[("user", "hi")])).await.is_none());
