@@ -176,3 +176,25 @@ fn a_tokenizer_directory_that_cannot_be_used_says_which_file_and_why() {
     let err = tokenizer.tokens(&chat("system")).unwrap_err();
     assert!(err.to_string().contains("first must be user"), "{err}");
 }
+
+/// A completion prompt keeps nothing: past the budget its encoding would
+/// serve nothing, so it is not started. Within it, or unbounded, it is.
+#[test]
+fn a_completion_prompt_past_the_budget_is_not_encoded_for_nothing() {
+    use kinference_epp::kv_events::hf::TokenizeError;
+    use std::time::Duration;
+    let dir = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
+    let hf = HfTokenizer::load(&dir).unwrap();
+    let long = prompt_of(&json!({ "prompt": "A long report on tea. ".repeat(10_000) }));
+    let err = hf
+        .tokens_within(&long, Some(Duration::from_millis(1)))
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::NotWorthEncoding { bytes } if bytes > 200_000),
+        "{err}"
+    );
+    let short = prompt_of(&json!({ "prompt": "A short note on tea." }));
+    let within = hf.tokens_within(&short, Some(Duration::from_millis(1)));
+    assert_eq!(within.unwrap(), hf.tokens(&short).unwrap());
+    assert!(hf.tokens(&long).unwrap().len() > 40_000);
+}

@@ -14,10 +14,20 @@
 //! ids are kept ([`SegmentCache`]): a system prompt is encoded once, not
 //! per request. Exact, not an approximation: the same pieces, encoded the
 //! same way.
+//!
+//! Given a time budget, a new piece that would run past it is encoded only
+//! if its ids would be kept: an encoding past the budget serves the next
+//! sighting of the piece, not this request, and one that is not kept
+//! serves nothing. Kept ids go to the pieces seen most often (a piece
+//! evicts the oldest only if seen more often than it), so prompts sent in
+//! turn that do not all fit keep those that do instead of evicting each
+//! other before they come back.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
@@ -54,6 +64,10 @@ pub enum TokenizeError {
     Template(#[from] JinjaError),
     #[error("encoding: {0}")]
     Encode(String),
+    #[error(
+        "a new piece of {bytes} bytes would take past the budget, and its ids would not be kept"
+    )]
+    NotWorthEncoding { bytes: usize },
 }
 
 /// `tokenizer_config.json`, the fields rendering needs.
@@ -110,6 +124,7 @@ pub struct HfTokenizer {
     bos_token: String,
     eos_token: String,
     dir: PathBuf,
+    cost: EncodeCost,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -176,29 +191,50 @@ impl HfTokenizer {
             bos_token: config.bos_token.map(SpecialToken::text).unwrap_or_default(),
             eos_token: config.eos_token.map(SpecialToken::text).unwrap_or_default(),
             dir: dir.into(),
+            cost: EncodeCost::default(),
         })
     }
 
     /// The token ids vLLM computes for `prompt`.
     pub fn tokens(&self, prompt: &PromptText) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_within(prompt, None)
+    }
+
+    /// [`tokens`](Self::tokens), refusing to encode what would run past
+    /// `budget` for nothing (see the module doc).
+    pub fn tokens_within(
+        &self,
+        prompt: &PromptText,
+        budget: Option<Duration>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let too_long = |bytes: usize| budget.is_some_and(|b| self.cost.of(bytes) > b);
         if prompt.messages.is_empty() {
             // The parser ends the prompt with a line break of its own.
             let text = prompt.text.strip_suffix('\n').unwrap_or(&prompt.text);
+            // Nothing of it is kept: past the budget it serves nothing.
+            if too_long(text.len()) {
+                return Err(TokenizeError::NotWorthEncoding { bytes: text.len() });
+            }
             // With special tokens (a BOS, for some models): encoded whole.
             return self.encode(text, true);
         }
         let chat = self.render_chat(prompt)?;
         match &self.pieces {
-            Some(pieces) => pieces.encode(&chat, |text| self.encode(text, false)),
+            Some(pieces) => pieces.encode(&chat, |text| self.encode(text, false), too_long),
+            None if too_long(chat.len()) => {
+                Err(TokenizeError::NotWorthEncoding { bytes: chat.len() })
+            }
             None => self.encode(&chat, false),
         }
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        let started = Instant::now();
         let encoding = self
             .tokenizer
             .encode_fast(text, special)
             .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        self.cost.learn(text.len(), started.elapsed());
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -236,6 +272,50 @@ impl HfTokenizer {
 const MIN_KEPT_BYTES: usize = 256;
 /// Token ids kept, all pieces together (8 MB).
 const KEPT_IDS: usize = 2 << 20;
+/// Pieces whose sightings are counted; past it every count is halved and
+/// the pieces at zero forgotten, so old counts fade.
+const COUNTED_PIECES: usize = 1 << 16;
+/// Bytes a token takes, to guess a piece's ids before it is encoded (about
+/// 4 for English with the usual vocabularies).
+const BYTES_PER_ID: usize = 4;
+
+/// What encoding costs a byte, learnt from the encodings of at least
+/// [`LEARNT_FROM_BYTES`] (shorter ones are mostly fixed cost).
+struct EncodeCost {
+    /// Nanoseconds a byte, × 1,024, as a moving average.
+    scaled_ns_per_byte: AtomicU64,
+}
+
+const LEARNT_FROM_BYTES: usize = 4096;
+
+impl Default for EncodeCost {
+    fn default() -> Self {
+        // Qwen3's measured cost on prose (BENCHMARKS, "request-path cost").
+        EncodeCost {
+            scaled_ns_per_byte: AtomicU64::new(550 * 1024),
+        }
+    }
+}
+
+impl EncodeCost {
+    /// The predicted time to encode `bytes`.
+    fn of(&self, bytes: usize) -> Duration {
+        let scaled = self.scaled_ns_per_byte.load(Ordering::Relaxed);
+        Duration::from_nanos((bytes as u64).saturating_mul(scaled) / 1024)
+    }
+
+    /// An encoding of `bytes` took `took`.
+    fn learn(&self, bytes: usize, took: Duration) {
+        if bytes < LEARNT_FROM_BYTES {
+            return;
+        }
+        let sample = (took.as_nanos() as u64).saturating_mul(1024) / bytes as u64;
+        // A lost update between two threads costs one sample: no lock.
+        let old = self.scaled_ns_per_byte.load(Ordering::Relaxed);
+        let new = (old.saturating_mul(7) + sample) / 8;
+        self.scaled_ns_per_byte.store(new.max(1), Ordering::Relaxed);
+    }
+}
 
 /// A chat cut where the tokenizer cuts it: at its added tokens, found as
 /// it finds them (leftmost-longest).
@@ -269,20 +349,22 @@ impl Pieces {
     }
 
     /// `chat`'s ids: each added token's, and each piece between encoded by
-    /// `encode` or found kept.
+    /// `encode` or found kept. A new piece `too_long` to encode in time is
+    /// encoded only if its ids would be kept.
     fn encode(
         &self,
         chat: &str,
         encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+        too_long: impl Fn(usize) -> bool,
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut out = Vec::with_capacity(chat.len() / 3);
         let mut at = 0;
         for m in self.added.find_iter(chat) {
-            self.piece(&chat[at..m.start()], &encode, &mut out)?;
+            self.piece(&chat[at..m.start()], &encode, &too_long, &mut out)?;
             out.push(self.ids[m.pattern().as_usize()]);
             at = m.end();
         }
-        self.piece(&chat[at..], &encode, &mut out)?;
+        self.piece(&chat[at..], &encode, &too_long, &mut out)?;
         Ok(out)
     }
 
@@ -290,6 +372,7 @@ impl Pieces {
         &self,
         text: &str,
         encode: &impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+        too_long: &impl Fn(usize) -> bool,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         if text.is_empty() {
@@ -300,9 +383,18 @@ impl Pieces {
             return Ok(());
         }
         let key = xxh3_128_with_seed(text.as_bytes(), super::index::chain_seed());
-        let kept = self.lock().get(key);
+        let (kept, admitted) = {
+            let mut cache = self.lock();
+            cache.sight(key);
+            let kept = cache.get(key);
+            let admitted = cache.admits(key, text.len() / BYTES_PER_ID);
+            (kept, admitted)
+        };
         let ids = match kept {
             Some(ids) => ids,
+            None if !admitted && too_long(text.len()) => {
+                return Err(TokenizeError::NotWorthEncoding { bytes: text.len() });
+            }
             None => {
                 // Encoded outside the lock: other prompts go on meanwhile.
                 let ids: Arc<[u32]> = encode(text)?.into();
@@ -327,6 +419,8 @@ struct SegmentCache {
     by_text: HashMap<u128, Arc<[u32]>>,
     order: VecDeque<u128>,
     ids: usize,
+    /// How often each recent piece was seen, kept or not.
+    sightings: HashMap<u128, u32>,
     hits: u64,
     misses: u64,
 }
@@ -341,16 +435,39 @@ impl SegmentCache {
         found
     }
 
+    /// A piece was seen in a prompt.
+    fn sight(&mut self, key: u128) {
+        if self.sightings.len() >= COUNTED_PIECES && !self.sightings.contains_key(&key) {
+            self.sightings.retain(|_, n| {
+                *n /= 2;
+                *n > 0
+            });
+        }
+        *self.sightings.entry(key).or_default() += 1;
+    }
+
+    fn seen(&self, key: u128) -> u32 {
+        self.sightings.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Whether a piece of `ids` would be kept: when it fits, or when it was
+    /// seen more often than the oldest kept piece it would evict.
+    fn admits(&self, key: u128, ids: usize) -> bool {
+        ids <= KEPT_IDS
+            && (self.ids + ids <= KEPT_IDS
+                || self
+                    .order
+                    .front()
+                    .is_some_and(|&oldest| self.seen(key) > self.seen(oldest)))
+    }
+
     fn keep(&mut self, key: u128, ids: Arc<[u32]>) {
-        if ids.len() > KEPT_IDS {
+        if self.by_text.contains_key(&key) || !self.admits(key, ids.len()) {
             return;
         }
         self.ids += ids.len();
-        match self.by_text.insert(key, ids) {
-            // Two prompts encoded the same piece at once.
-            Some(same) => self.ids -= same.len(),
-            None => self.order.push_back(key),
-        }
+        self.by_text.insert(key, ids);
+        self.order.push_back(key);
         while self.ids > KEPT_IDS {
             let Some(oldest) = self.order.pop_front() else {
                 break;
@@ -385,10 +502,16 @@ fn chat_environment(source: String) -> Result<Environment<'static>, JinjaError> 
 mod tests {
     use super::*;
 
+    fn piece(n: usize) -> Arc<[u32]> {
+        vec![0; n].into()
+    }
+
     #[test]
     fn kept_pieces_stay_within_their_bound_oldest_out_first() {
         let mut cache = SegmentCache::default();
-        let piece = |n: usize| -> Arc<[u32]> { vec![0; n].into() };
+        for key in [1, 2, 3, 3] {
+            cache.sight(key);
+        }
         cache.keep(1, piece(KEPT_IDS / 2));
         cache.keep(1, piece(KEPT_IDS / 2)); // the same piece, twice
         assert_eq!(cache.ids, KEPT_IDS / 2);
@@ -403,5 +526,119 @@ mod tests {
             "larger than the whole bound: not kept"
         );
         assert_eq!((cache.misses, cache.hits), (2, 2));
+    }
+
+    /// Pieces sent in turn that do not all fit: the first ones stay, and
+    /// the rest are not kept, instead of each evicting the one that comes
+    /// back next.
+    #[test]
+    fn pieces_sent_in_turn_that_do_not_fit_keep_those_that_do() {
+        let mut cache = SegmentCache::default();
+        let (size, n) = (KEPT_IDS / 4, 6);
+        let mut hits = 0;
+        for _round in 0..5 {
+            for key in 0..n {
+                cache.sight(key);
+                match cache.get(key) {
+                    Some(_) => hits += 1,
+                    None => cache.keep(key, piece(size)),
+                }
+            }
+        }
+        assert_eq!(hits, 4 * 4, "4 of the 6 kept from the second round on");
+        assert!(cache.ids <= KEPT_IDS);
+    }
+
+    #[test]
+    fn a_piece_seen_more_often_than_the_oldest_takes_its_place() {
+        let mut cache = SegmentCache::default();
+        for key in 0..4 {
+            cache.sight(key);
+            cache.keep(key, piece(KEPT_IDS / 4));
+        }
+        cache.sight(9);
+        assert!(
+            !cache.admits(9, KEPT_IDS / 4),
+            "seen as often as the oldest"
+        );
+        cache.sight(9);
+        assert!(cache.admits(9, KEPT_IDS / 4));
+        cache.keep(9, piece(KEPT_IDS / 4));
+        assert!(cache.get(9).is_some() && cache.get(0).is_none());
+    }
+
+    #[test]
+    fn sightings_stay_bounded_and_old_ones_fade() {
+        let mut cache = SegmentCache::default();
+        cache.sight(u128::MAX);
+        cache.sight(u128::MAX);
+        for key in 0..COUNTED_PIECES as u128 + 10 {
+            cache.sight(key);
+        }
+        assert!(cache.sightings.len() <= COUNTED_PIECES);
+        assert_eq!(cache.seen(u128::MAX), 1, "halved once");
+    }
+
+    /// A chat cut at `<|im_start|>` and `<|im_end|>`, each piece's ids its
+    /// length (so that what was encoded shows).
+    fn pieces() -> Pieces {
+        Pieces {
+            added: AhoCorasick::new(["<|im_start|>", "<|im_end|>"]).unwrap(),
+            ids: vec![1, 2],
+            cache: Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn a_new_piece_past_the_budget_is_encoded_only_if_it_would_be_kept() {
+        let p = pieces();
+        let encoded = std::cell::Cell::new(0);
+        let encode = |text: &str| {
+            encoded.set(encoded.get() + 1);
+            Ok(vec![7; text.len() / 4])
+        };
+        let past_budget = |_: usize| true;
+        // The kept ids are full of pieces seen twice.
+        for key in 0..4u128 {
+            let mut cache = p.lock();
+            cache.sight(key);
+            cache.sight(key);
+            cache.keep(key, piece(KEPT_IDS / 4));
+        }
+        let long = "tea ".repeat(1_000);
+        let chat = format!("<|im_start|>{long}<|im_end|>");
+        let err = p.encode(&chat, encode, past_budget).unwrap_err();
+        assert!(
+            matches!(err, TokenizeError::NotWorthEncoding { bytes: 4_000 }),
+            "{err}"
+        );
+        assert_eq!(encoded.get(), 0, "nothing encoded for nothing");
+        // Within the budget it is encoded, and still not kept.
+        let ids = p.encode(&chat, encode, |_| false).unwrap();
+        assert_eq!(ids.len(), 2 + 1_000);
+        assert_eq!(encoded.get(), 1);
+        // Seen more often than the oldest kept piece, it is worth keeping.
+        let ids = p.encode(&chat, encode, past_budget).unwrap();
+        assert_eq!(ids.len(), 2 + 1_000);
+        assert_eq!(encoded.get(), 2);
+        assert_eq!(p.encode(&chat, encode, past_budget).unwrap().len(), 1_002);
+        assert_eq!(encoded.get(), 2, "kept: not encoded again");
+    }
+
+    #[test]
+    fn the_encoding_cost_is_learnt_from_long_encodings_only() {
+        let cost = EncodeCost::default();
+        let prior = cost.of(1_000_000);
+        cost.learn(100, Duration::from_secs(1));
+        assert_eq!(
+            cost.of(1_000_000),
+            prior,
+            "a short one is mostly fixed cost"
+        );
+        for _ in 0..100 {
+            cost.learn(1_000_000, Duration::from_millis(100));
+        }
+        let learnt = cost.of(1_000_000).as_secs_f64();
+        assert!((0.095..0.105).contains(&learnt), "{learnt}");
     }
 }

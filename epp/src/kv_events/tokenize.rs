@@ -77,8 +77,18 @@ impl Tokenizer {
 
     /// The token ids of `prompt`.
     pub fn tokens(&self, prompt: &PromptText) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_within(prompt, None)
+    }
+
+    /// [`tokens`](Self::tokens), refusing work that would run past `budget`
+    /// and serve nothing after it (see `hf`).
+    pub fn tokens_within(
+        &self,
+        prompt: &PromptText,
+        budget: Option<Duration>,
+    ) -> Result<Vec<u32>, TokenizeError> {
         match self {
-            Tokenizer::HuggingFace(hf) => hf.tokens(prompt),
+            Tokenizer::HuggingFace(hf) => hf.tokens_within(prompt, budget),
             Tokenizer::SimulatorDummy(re) => {
                 let rendered;
                 let text = if prompt.messages.is_empty() {
@@ -183,7 +193,7 @@ impl PromptTokenizer {
     pub fn register(&self, metrics: &crate::metrics::Metrics) {
         metrics.register_metric(
             "prompt_tokenizations",
-            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget, busy and error fall back to the approximate index)",
+            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget: past the budget, or predicted past it and not worth encoding; busy and error fall back to the approximate index)",
             self.outcomes.clone(),
         );
     }
@@ -200,10 +210,11 @@ impl PromptTokenizer {
             return None;
         };
         let tokenizer = Arc::clone(&self.tokenizer);
+        let budget = self.budget;
         // The permit goes with the work: a tokenization that outlives its
         // budget still holds its slot until it ends.
         let work = tokio::task::spawn_blocking(move || {
-            let tokens = tokenizer.tokens(&prompt);
+            let tokens = tokenizer.tokens_within(&prompt, Some(budget));
             drop(permit);
             tokens
         });
@@ -211,6 +222,10 @@ impl PromptTokenizer {
             Ok(Ok(Ok(tokens))) => {
                 self.count("ok");
                 Some(PromptTokens::new(tokens))
+            }
+            Ok(Ok(Err(TokenizeError::NotWorthEncoding { .. }))) => {
+                self.count("over_budget");
+                None
             }
             Ok(Ok(Err(error))) => {
                 // A template's own refusal (e.g. roles that do not
