@@ -33,6 +33,21 @@ async fn sim(name: &str, models: &[&str]) -> SimHandle {
 }
 
 /// An EPP on loopback with `policy` over `sims` (their models as given).
+/// Serves ext_proc for `epp`, whose metrics the test sets itself (no
+/// scraper runs), and connects a client.
+async fn serve_without_scraper(epp: &Epp) -> EppClient {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = epp.clone();
+    tokio::spawn(async move {
+        server
+            .serve_ext_proc(listener, std::future::pending())
+            .await
+            .unwrap()
+    });
+    EppClient::connect(addr).await.unwrap()
+}
+
 async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
     let epp = Epp::new(Settings {
         ext_proc: ExtProcConfig {
@@ -730,16 +745,7 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
         epp.registry()
             .set_metrics(&ep.name, ScrapedMetrics::empty(std::time::Instant::now()));
     }
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = epp.clone();
-    tokio::spawn(async move {
-        server
-            .serve_ext_proc(listener, std::future::pending())
-            .await
-            .unwrap()
-    });
-    let client = EppClient::connect(addr).await.unwrap();
+    let client = serve_without_scraper(&epp).await;
     // 40 streams held open: requests in flight at their model servers.
     let mut open = Vec::new();
     let mut landed = std::collections::BTreeMap::<String, usize>::new();
@@ -855,16 +861,7 @@ async fn queued_prefix_case(route: &str) -> QueuedPrefixCase {
         }
     };
     scrape(0.0);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = epp.clone();
-    tokio::spawn(async move {
-        server
-            .serve_ext_proc(listener, std::future::pending())
-            .await
-            .unwrap()
-    });
-    let client = EppClient::connect(addr).await.unwrap();
+    let client = serve_without_scraper(&epp).await;
     let request = |system: &str, question: usize, only: Option<&str>| {
         let body = json!({
             "model": "qwen",

@@ -86,27 +86,28 @@ impl RoutedPrefixes {
 
     /// Leading blocks of `chain` that a route of the last [`WINDOW`] shared.
     pub fn cached_blocks(&self, chain: &[u64], now: Instant) -> usize {
-        let mut routes = lock(&self.routes);
-        routes.expire(now, self.capacity);
-        routes
-            .recent
-            .iter()
-            .map(|(_, routed)| common_prefix(routed, chain))
-            .max()
-            .unwrap_or(0)
+        self.each_shared(chain, now, |shared| shared.max().unwrap_or(0))
     }
 
     /// For each route of the last [`WINDOW`] that shared a leading block
     /// with `chain`, how many it shared.
     pub fn shared_blocks(&self, chain: &[u64], now: Instant) -> Vec<usize> {
+        self.each_shared(chain, now, |shared| shared.filter(|&n| n > 0).collect())
+    }
+
+    /// `f` over the leading blocks each recent route shares with `chain`.
+    fn each_shared<R>(
+        &self,
+        chain: &[u64],
+        now: Instant,
+        f: impl FnOnce(&mut dyn Iterator<Item = usize>) -> R,
+    ) -> R {
         let mut routes = lock(&self.routes);
         routes.expire(now, self.capacity);
-        routes
+        f(&mut routes
             .recent
             .iter()
-            .map(|(_, routed)| common_prefix(routed, chain))
-            .filter(|&shared| shared > 0)
-            .collect()
+            .map(|(_, routed)| common_prefix(routed, chain)))
     }
 }
 
