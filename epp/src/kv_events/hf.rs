@@ -207,7 +207,13 @@ impl HfTokenizer {
         prompt: &PromptText,
         budget: Option<Duration>,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let too_long = |bytes: usize| budget.is_some_and(|b| self.cost.of(bytes) > b);
+        let started = Instant::now();
+        let too_long = |bytes: usize| {
+            budget.is_some_and(|b| {
+                self.cost
+                    .refuses(bytes, b.saturating_sub(started.elapsed()))
+            })
+        };
         if prompt.messages.is_empty() {
             // The parser ends the prompt with a line break of its own.
             let text = prompt.text.strip_suffix('\n').unwrap_or(&prompt.text);
@@ -238,7 +244,8 @@ impl HfTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// Pieces encoded, and found already encoded (tests and benchmarks).
+    /// Pieces not found kept (encoded, or refused as not worth it), and
+    /// found kept (tests and benchmarks).
     pub fn piece_counts(&self) -> (u64, u64) {
         self.pieces.as_ref().map_or((0, 0), |p| {
             let cache = p.lock();
@@ -275,6 +282,8 @@ const KEPT_IDS: usize = 2 << 20;
 /// Pieces whose sightings are counted; past it every count is halved and
 /// the pieces at zero forgotten, so old counts fade.
 const COUNTED_PIECES: usize = 1 << 16;
+/// Fewest sightings between two halvings of the counts.
+const MIN_AGING_WINDOW: usize = 256;
 /// Bytes a token takes, to guess a piece's ids before it is encoded (about
 /// 4 for English with the usual vocabularies).
 const BYTES_PER_ID: usize = 4;
@@ -284,7 +293,13 @@ const BYTES_PER_ID: usize = 4;
 struct EncodeCost {
     /// Nanoseconds a byte, × 1,024, as a moving average.
     scaled_ns_per_byte: AtomicU64,
+    /// Encodings refused on the prediction.
+    refused: AtomicU64,
 }
+
+/// One refusal in this many is encoded anyway, so that a cost learnt too
+/// high (a sample slowed by a busy machine) is still corrected.
+const ENCODE_ANYWAY_EVERY: u64 = 64;
 
 const LEARNT_FROM_BYTES: usize = 4096;
 
@@ -293,6 +308,7 @@ impl Default for EncodeCost {
         // Qwen3's measured cost on prose (BENCHMARKS, "request-path cost").
         EncodeCost {
             scaled_ns_per_byte: AtomicU64::new(550 * 1024),
+            refused: AtomicU64::new(0),
         }
     }
 }
@@ -304,14 +320,25 @@ impl EncodeCost {
         Duration::from_nanos((bytes as u64).saturating_mul(scaled) / 1024)
     }
 
-    /// An encoding of `bytes` took `took`.
+    /// Whether encoding `bytes` should not start with `left` of the budget:
+    /// predicted past half as much again as what is left, bar one in
+    /// [`ENCODE_ANYWAY_EVERY`].
+    fn refuses(&self, bytes: usize, left: Duration) -> bool {
+        self.of(bytes) > left.mul_f64(1.5)
+            && self.refused.fetch_add(1, Ordering::Relaxed) % ENCODE_ANYWAY_EVERY
+                != ENCODE_ANYWAY_EVERY - 1
+    }
+
+    /// An encoding of `bytes` took `took`. One sample moves the cost at most
+    /// twofold up: a thread descheduled mid-encoding is not the tokenizer.
     fn learn(&self, bytes: usize, took: Duration) {
         if bytes < LEARNT_FROM_BYTES {
             return;
         }
-        let sample = (took.as_nanos() as u64).saturating_mul(1024) / bytes as u64;
         // A lost update between two threads costs one sample: no lock.
         let old = self.scaled_ns_per_byte.load(Ordering::Relaxed);
+        let sample = ((took.as_nanos() as u64).saturating_mul(1024) / bytes as u64)
+            .min(old.saturating_mul(2));
         let new = (old.saturating_mul(7) + sample) / 8;
         self.scaled_ns_per_byte.store(new.max(1), Ordering::Relaxed);
     }
@@ -349,61 +376,82 @@ impl Pieces {
     }
 
     /// `chat`'s ids: each added token's, and each piece between encoded by
-    /// `encode` or found kept. A new piece `too_long` to encode in time is
-    /// encoded only if its ids would be kept.
+    /// `encode` or found kept. A new piece `too_long` to encode in time (by
+    /// its bytes, counting the time already spent) is encoded only if its
+    /// ids would be kept; then the chat is refused, after the pieces that
+    /// will be kept have been encoded for the next sighting.
     fn encode(
         &self,
         chat: &str,
         encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
         too_long: impl Fn(usize) -> bool,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let mut out = Vec::with_capacity(chat.len() / 3);
+        let mut out = Some(Vec::with_capacity(chat.len() / 3));
+        let mut refused = 0;
         let mut at = 0;
+        let mut piece = |text: &str, out: &mut Option<Vec<u32>>| {
+            match self.piece(text, &encode, &too_long, out.is_some())? {
+                Piece::Ids(ids) => {
+                    if let Some(out) = out {
+                        out.extend_from_slice(&ids);
+                    }
+                }
+                Piece::NotWorthEncoding => {
+                    refused = refused.max(text.len());
+                    *out = None;
+                }
+            }
+            Ok::<_, TokenizeError>(())
+        };
         for m in self.added.find_iter(chat) {
-            self.piece(&chat[at..m.start()], &encode, &too_long, &mut out)?;
-            out.push(self.ids[m.pattern().as_usize()]);
+            piece(&chat[at..m.start()], &mut out)?;
+            if let Some(out) = &mut out {
+                out.push(self.ids[m.pattern().as_usize()]);
+            }
             at = m.end();
         }
-        self.piece(&chat[at..], &encode, &too_long, &mut out)?;
-        Ok(out)
+        piece(&chat[at..], &mut out)?;
+        out.ok_or(TokenizeError::NotWorthEncoding { bytes: refused })
     }
 
+    /// One piece's ids. With `needed` false (the chat is already refused)
+    /// only a piece that will be kept is encoded.
     fn piece(
         &self,
         text: &str,
         encode: &impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
         too_long: &impl Fn(usize) -> bool,
-        out: &mut Vec<u32>,
-    ) -> Result<(), TokenizeError> {
+        needed: bool,
+    ) -> Result<Piece, TokenizeError> {
         if text.is_empty() {
-            return Ok(());
+            return Ok(Piece::Ids(Arc::new([])));
         }
         if text.len() < MIN_KEPT_BYTES {
-            out.extend(encode(text)?);
-            return Ok(());
+            return match needed {
+                true => Ok(Piece::Ids(encode(text)?.into())),
+                false => Ok(Piece::NotWorthEncoding),
+            };
         }
         let key = xxh3_128_with_seed(text.as_bytes(), super::index::chain_seed());
         let (kept, admitted) = {
             let mut cache = self.lock();
             cache.sight(key);
             let kept = cache.get(key);
-            let admitted = cache.admits(key, text.len() / BYTES_PER_ID);
+            let admitted = kept.is_none() && cache.admits(key, text.len() / BYTES_PER_ID);
             (kept, admitted)
         };
-        let ids = match kept {
-            Some(ids) => ids,
-            None if !admitted && too_long(text.len()) => {
-                return Err(TokenizeError::NotWorthEncoding { bytes: text.len() });
-            }
-            None => {
-                // Encoded outside the lock: other prompts go on meanwhile.
-                let ids: Arc<[u32]> = encode(text)?.into();
-                self.lock().keep(key, Arc::clone(&ids));
-                ids
-            }
-        };
-        out.extend_from_slice(&ids);
-        Ok(())
+        if let Some(ids) = kept {
+            return Ok(Piece::Ids(ids));
+        }
+        if !admitted && (!needed || too_long(text.len())) {
+            return Ok(Piece::NotWorthEncoding);
+        }
+        // Encoded outside the lock: other prompts go on meanwhile.
+        let ids: Arc<[u32]> = encode(text)?.into();
+        // Admitted on a guess of its size: kept at its real size, making
+        // room, so that a piece encoded to be kept is kept.
+        self.lock().keep(key, Arc::clone(&ids), admitted);
+        Ok(Piece::Ids(ids))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SegmentCache> {
@@ -411,71 +459,140 @@ impl Pieces {
     }
 }
 
+/// A piece of a chat: its ids, or not encoded because it would take past
+/// the budget and not be kept.
+enum Piece {
+    Ids(Arc<[u32]>),
+    NotWorthEncoding,
+}
+
 /// Encoded pieces by a keyed 128-bit hash of their text (a per-process
 /// seed: prompts cannot be crafted to collide), the oldest forgotten past
 /// [`KEPT_IDS`].
 #[derive(Default)]
 struct SegmentCache {
-    by_text: HashMap<u128, Arc<[u32]>>,
+    by_text: HashMap<u128, Kept>,
+    /// Oldest kept first.
     order: VecDeque<u128>,
     ids: usize,
     /// How often each recent piece was seen, kept or not.
     sightings: HashMap<u128, u32>,
+    /// Sightings since the counts were last halved.
+    since_halved: usize,
     hits: u64,
     misses: u64,
 }
 
+struct Kept {
+    ids: Arc<[u32]>,
+    /// Found since it was kept, or since the last eviction: spared then.
+    hit: bool,
+}
+
 impl SegmentCache {
     fn get(&mut self, key: u128) -> Option<Arc<[u32]>> {
-        let found = self.by_text.get(&key).cloned();
-        match found {
-            Some(_) => self.hits += 1,
-            None => self.misses += 1,
+        match self.by_text.get_mut(&key) {
+            Some(kept) => {
+                kept.hit = true;
+                self.hits += 1;
+                Some(Arc::clone(&kept.ids))
+            }
+            None => {
+                self.misses += 1;
+                None
+            }
         }
-        found
     }
 
-    /// A piece was seen in a prompt.
+    /// A piece was seen in a prompt. Every count is halved after ten
+    /// sightings per kept piece (at least [`MIN_AGING_WINDOW`]), or when a
+    /// new piece finds [`COUNTED_PIECES`] counted: a piece that stops being
+    /// sent fades, however often it was sent before.
     fn sight(&mut self, key: u128) {
-        if self.sightings.len() >= COUNTED_PIECES && !self.sightings.contains_key(&key) {
+        self.since_halved += 1;
+        let window = (10 * self.order.len()).max(MIN_AGING_WINDOW);
+        if self.since_halved >= window
+            || self.sightings.len() >= COUNTED_PIECES && !self.sightings.contains_key(&key)
+        {
             self.sightings.retain(|_, n| {
                 *n /= 2;
                 *n > 0
             });
+            self.since_halved = 0;
         }
-        *self.sightings.entry(key).or_default() += 1;
+        let n = self.sightings.entry(key).or_default();
+        *n = n.saturating_add(1);
     }
 
     fn seen(&self, key: u128) -> u32 {
         self.sightings.get(&key).copied().unwrap_or(0)
     }
 
-    /// Whether a piece of `ids` would be kept: when it fits, or when it was
-    /// seen more often than the oldest kept piece it would evict.
-    fn admits(&self, key: u128, ids: usize) -> bool {
-        ids <= KEPT_IDS
-            && (self.ids + ids <= KEPT_IDS
-                || self
-                    .order
-                    .front()
-                    .is_some_and(|&oldest| self.seen(key) > self.seen(oldest)))
-    }
-
-    fn keep(&mut self, key: u128, ids: Arc<[u32]>) {
-        if self.by_text.contains_key(&key) || !self.admits(key, ids.len()) {
-            return;
+    /// The kept pieces a new one of `ids` would evict: the oldest not
+    /// found since they were kept first, then the oldest found (a second
+    /// chance). `None` when it is larger than all kept ids together.
+    fn victims(&self, ids: usize) -> Option<Vec<u128>> {
+        if ids > KEPT_IDS {
+            return None;
         }
-        self.ids += ids.len();
-        self.by_text.insert(key, ids);
-        self.order.push_back(key);
-        while self.ids > KEPT_IDS {
-            let Some(oldest) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(gone) = self.by_text.remove(&oldest) {
-                self.ids -= gone.len();
+        let mut need = (self.ids + ids).saturating_sub(KEPT_IDS);
+        let mut out = Vec::new();
+        for spared in [false, true] {
+            for key in &self.order {
+                if need == 0 {
+                    return Some(out);
+                }
+                let kept = &self.by_text[key];
+                if kept.hit == spared {
+                    out.push(*key);
+                    need = need.saturating_sub(kept.ids.len());
+                }
             }
         }
+        Some(out)
+    }
+
+    /// Whether a piece of about `ids` would be kept: when it fits, or when
+    /// it was seen more often than each kept piece it would evict.
+    fn admits(&self, key: u128, ids: usize) -> bool {
+        self.victims(ids)
+            .is_some_and(|victims| self.outranks(key, &victims))
+    }
+
+    fn outranks(&self, key: u128, victims: &[u128]) -> bool {
+        let seen = self.seen(key);
+        victims.iter().all(|&v| seen > self.seen(v))
+    }
+
+    /// Keeps a piece's ids if [`admits`](Self::admits) would at their real
+    /// size, or whatever it evicts if it was `admitted` on a guess of it.
+    fn keep(&mut self, key: u128, ids: Arc<[u32]>, admitted: bool) {
+        if self.by_text.contains_key(&key) {
+            return;
+        }
+        let Some(victims) = self.victims(ids.len()) else {
+            return;
+        };
+        if !admitted && !self.outranks(key, &victims) {
+            return;
+        }
+        if !victims.is_empty() {
+            for victim in &victims {
+                if let Some(gone) = self.by_text.remove(victim) {
+                    self.ids -= gone.ids.len();
+                }
+            }
+            let by_text = &self.by_text;
+            self.order.retain(|key| by_text.contains_key(key));
+            // The second chance is spent: a survivor is spared again only
+            // if found again.
+            for kept in self.by_text.values_mut() {
+                kept.hit = false;
+            }
+        }
+        self.ids += ids.len();
+        self.by_text.insert(key, Kept { ids, hit: false });
+        self.order.push_back(key);
     }
 }
 
@@ -512,15 +629,15 @@ mod tests {
         for key in [1, 2, 3, 3] {
             cache.sight(key);
         }
-        cache.keep(1, piece(KEPT_IDS / 2));
-        cache.keep(1, piece(KEPT_IDS / 2)); // the same piece, twice
+        cache.keep(1, piece(KEPT_IDS / 2), false);
+        cache.keep(1, piece(KEPT_IDS / 2), false); // the same piece, twice
         assert_eq!(cache.ids, KEPT_IDS / 2);
-        cache.keep(2, piece(KEPT_IDS / 2));
-        cache.keep(3, piece(10));
+        cache.keep(2, piece(KEPT_IDS / 2), false);
+        cache.keep(3, piece(10), false);
         assert!(cache.ids <= KEPT_IDS);
         assert!(cache.get(1).is_none(), "the oldest went first");
         assert!(cache.get(2).is_some() && cache.get(3).is_some());
-        cache.keep(4, piece(KEPT_IDS + 1));
+        cache.keep(4, piece(KEPT_IDS + 1), true);
         assert!(
             cache.get(4).is_none(),
             "larger than the whole bound: not kept"
@@ -541,7 +658,7 @@ mod tests {
                 cache.sight(key);
                 match cache.get(key) {
                     Some(_) => hits += 1,
-                    None => cache.keep(key, piece(size)),
+                    None => cache.keep(key, piece(size), false),
                 }
             }
         }
@@ -554,7 +671,7 @@ mod tests {
         let mut cache = SegmentCache::default();
         for key in 0..4 {
             cache.sight(key);
-            cache.keep(key, piece(KEPT_IDS / 4));
+            cache.keep(key, piece(KEPT_IDS / 4), false);
         }
         cache.sight(9);
         assert!(
@@ -563,7 +680,7 @@ mod tests {
         );
         cache.sight(9);
         assert!(cache.admits(9, KEPT_IDS / 4));
-        cache.keep(9, piece(KEPT_IDS / 4));
+        cache.keep(9, piece(KEPT_IDS / 4), false);
         assert!(cache.get(9).is_some() && cache.get(0).is_none());
     }
 
@@ -572,11 +689,15 @@ mod tests {
         let mut cache = SegmentCache::default();
         cache.sight(u128::MAX);
         cache.sight(u128::MAX);
-        for key in 0..COUNTED_PIECES as u128 + 10 {
+        for key in 0..MIN_AGING_WINDOW as u128 {
             cache.sight(key);
         }
-        assert!(cache.sightings.len() <= COUNTED_PIECES);
         assert_eq!(cache.seen(u128::MAX), 1, "halved once");
+        for key in 0..COUNTED_PIECES as u128 + 10 {
+            cache.sight(key);
+            assert!(cache.sightings.len() <= COUNTED_PIECES);
+        }
+        assert_eq!(cache.seen(u128::MAX), 0, "forgotten");
     }
 
     /// A chat cut at `<|im_start|>` and `<|im_end|>`, each piece's ids its
@@ -603,7 +724,7 @@ mod tests {
             let mut cache = p.lock();
             cache.sight(key);
             cache.sight(key);
-            cache.keep(key, piece(KEPT_IDS / 4));
+            cache.keep(key, piece(KEPT_IDS / 4), false);
         }
         let long = "tea ".repeat(1_000);
         let chat = format!("<|im_start|>{long}<|im_end|>");
@@ -623,6 +744,87 @@ mod tests {
         assert_eq!(encoded.get(), 2);
         assert_eq!(p.encode(&chat, encode, past_budget).unwrap().len(), 1_002);
         assert_eq!(encoded.get(), 2, "kept: not encoded again");
+    }
+
+    /// A prompt sent very often, then no more, gives way to the next one.
+    #[test]
+    fn a_piece_no_longer_sent_gives_way_to_the_one_sent_now() {
+        let mut cache = SegmentCache::default();
+        for _ in 0..1_000 {
+            cache.sight(1);
+        }
+        cache.keep(1, piece(KEPT_IDS), false);
+        let sightings = (1..=2_000).find(|_| {
+            cache.sight(2);
+            cache.admits(2, 10)
+        });
+        let sightings = sightings.expect("the new piece is admitted");
+        assert!(sightings <= 3 * MIN_AGING_WINDOW, "{sightings}");
+    }
+
+    /// A piece found since it was kept is spared, and an older one that
+    /// was not found goes first.
+    #[test]
+    fn a_piece_found_again_gets_a_second_chance() {
+        let mut cache = SegmentCache::default();
+        for key in 0..4 {
+            cache.sight(key);
+            cache.keep(key, piece(KEPT_IDS / 4), false);
+        }
+        assert!(cache.get(0).is_some());
+        assert_eq!(cache.victims(10), Some(vec![1]));
+        cache.sight(9);
+        cache.sight(9);
+        cache.keep(9, piece(10), false);
+        assert!(cache.by_text.contains_key(&0) && !cache.by_text.contains_key(&1));
+        // The chance is spent: the oldest goes first again.
+        assert_eq!(cache.victims(KEPT_IDS / 4), Some(vec![0]));
+    }
+
+    /// Admitted on a guess of its size, a piece is kept at its real one.
+    #[test]
+    fn a_piece_encoded_to_be_kept_is_kept_however_many_ids_it_has() {
+        let p = pieces();
+        {
+            let mut cache = p.lock();
+            cache.sight(1);
+            cache.keep(1, piece(KEPT_IDS - 2_000), false);
+        }
+        // 4,000 bytes, guessed at 1,000 ids (it fits), encoded as 3,000.
+        let dense = |text: &str| Ok(vec![7; text.len() * 3 / 4]);
+        let long = "tea ".repeat(1_000);
+        let ids = p
+            .encode(&format!("<|im_start|>{long}"), dense, |_| true)
+            .unwrap();
+        assert_eq!(ids.len(), 1 + 3_000);
+        let mut cache = p.lock();
+        assert_eq!(cache.hits + cache.misses, 1);
+        let key = xxh3_128_with_seed(long.as_bytes(), super::super::index::chain_seed());
+        assert!(cache.get(key).is_some(), "kept");
+        assert!(cache.get(1).is_none(), "room was made");
+    }
+
+    #[test]
+    fn one_refusal_in_a_while_is_encoded_so_that_the_cost_keeps_learning() {
+        let cost = EncodeCost::default();
+        let left = Duration::from_millis(5);
+        assert!(!cost.refuses(1_000, left), "0.55 ms: within");
+        // 5 ms predicted: within half as much again as what is left.
+        assert!(!cost.refuses(9_000, left));
+        let refused = (0..ENCODE_ANYWAY_EVERY)
+            .filter(|_| cost.refuses(1_000_000, left))
+            .count() as u64;
+        assert_eq!(refused, ENCODE_ANYWAY_EVERY - 1);
+    }
+
+    #[test]
+    fn a_slow_sample_moves_the_cost_at_most_twofold() {
+        let cost = EncodeCost::default();
+        let prior = cost.of(1_000_000);
+        cost.learn(1_000_000, Duration::from_secs(60));
+        let after = cost.of(1_000_000);
+        // One eighth of the way to twice the prior.
+        assert_eq!(after.as_micros(), (prior.as_micros() * 9) / 8);
     }
 
     #[test]

@@ -22,10 +22,10 @@ use crate::extproc::body::ParsedBody;
 use crate::predict::MAX_BLOCKS;
 
 /// Tokenizations running at once, at most: half the cores, 1 to 4. A
-/// tokenization over its budget runs on (its ids are kept for the prompt's
-/// next sighting), so every slot is a core's worth of CPU taken from the
-/// proxy and the EPP itself: with 4 slots on 2 cores, 220 KB prompts at
-/// c150 took 2.3× the time to serve (BENCHMARKS, issue 14).
+/// tokenization over its budget runs on when its ids will be kept for the
+/// prompt's next sighting, so every slot is a core's worth of CPU taken
+/// from the proxy and the EPP itself: with 4 slots on 2 cores, 220 KB
+/// prompts at c150 took 2.3× the time to serve (BENCHMARKS, issue 14).
 pub fn slots() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / 2).clamp(1, 4)
@@ -188,12 +188,12 @@ impl PromptTokenizer {
     }
 
     /// Serves `kinference_epp_prompt_tokenizations_total{outcome}`: `ok`,
-    /// `over_budget`, `busy`, `error` (all but `ok` fall back to the
-    /// approximate index).
+    /// `over_budget`, `not_worth_encoding`, `busy`, `error` (all but `ok`
+    /// fall back to the approximate index).
     pub fn register(&self, metrics: &crate::metrics::Metrics) {
         metrics.register_metric(
             "prompt_tokenizations",
-            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget: past the budget, or predicted past it and not worth encoding; busy and error fall back to the approximate index)",
+            "Prompts tokenized for precise prefix matching, by outcome (ok; over_budget: ran past the budget; not_worth_encoding: predicted past it, and its ids would not be kept, so not started; busy and error fall back to the approximate index)",
             self.outcomes.clone(),
         );
     }
@@ -219,25 +219,28 @@ impl PromptTokenizer {
             tokens
         });
         match tokio::time::timeout(self.budget, work).await {
-            Ok(Ok(Ok(tokens))) => {
-                self.count("ok");
-                Some(PromptTokens::new(tokens))
-            }
-            Ok(Ok(Err(TokenizeError::NotWorthEncoding { .. }))) => {
-                self.count("over_budget");
-                None
-            }
-            Ok(Ok(Err(error))) => {
-                // A template's own refusal (e.g. roles that do not
-                // alternate): the engine refuses the request too.
-                tracing::debug!(%error, "prompt not tokenized");
-                self.count("error");
-                None
+            Ok(Ok(done)) => {
+                self.count(outcome_of(&done));
+                done.ok().map(PromptTokens::new)
             }
             Ok(Err(_)) | Err(_) => {
                 self.count("over_budget");
                 None
             }
+        }
+    }
+}
+
+/// The outcome label of a tokenization that ended within the budget.
+fn outcome_of(done: &Result<Vec<u32>, TokenizeError>) -> &'static str {
+    match done {
+        Ok(_) => "ok",
+        Err(TokenizeError::NotWorthEncoding { .. }) => "not_worth_encoding",
+        Err(error) => {
+            // A template's own refusal (e.g. roles that do not alternate):
+            // the engine refuses the request too.
+            tracing::debug!(%error, "prompt not tokenized");
+            "error"
         }
     }
 }
@@ -303,6 +306,15 @@ mod tests {
         assert_eq!(p.chain(16).len(), 2);
         assert_eq!(p.chain(8).len(), 5);
         assert!(Arc::ptr_eq(&p.chain(16), &p.chain(16)));
+    }
+
+    #[test]
+    fn a_prompt_not_worth_encoding_is_told_apart_from_one_over_budget() {
+        let refused = Err(TokenizeError::NotWorthEncoding { bytes: 220_000 });
+        assert_eq!(outcome_of(&refused), "not_worth_encoding");
+        let template = Err(TokenizeError::Encode("no".into()));
+        assert_eq!(outcome_of(&template), "error");
+        assert_eq!(outcome_of(&Ok(vec![1])), "ok");
     }
 
     #[tokio::test]
