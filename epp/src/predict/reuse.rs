@@ -15,15 +15,15 @@
 //! Priced alone, this seeded replicas faster than they paid back: each
 //! costs a batch slot for a whole prefill and evicts some other prefix, and
 //! under load the queues of those prefills made more Pods look worth
-//! leaving (the benchmark's p50 went from 20 ms to 1.1 s). So the picker
-//! (`CandidateSet`) prices a replica only when every Pod holding the prefix
-//! has requests waiting as its engine reports, on a Pod with none waiting,
-//! with models trained on the Pods' own answers, for a policy that bounds
-//! `PredictedTTFT` nowhere (an SLO must see the request's whole prefill),
-//! and each EPP replica seeds at most one replica per [`SEED_INTERVAL`]
-//! (requests decided at the same moment may seed together). The route
-//! memory and the gate are each EPP replica's own: with several, each
-//! counts the reusers it routed.
+//! leaving (the benchmark's median TTFT went from about 20 ms to seconds).
+//! So the picker (`CandidateSet`) prices a replica only when every Pod
+//! holding the prefix has requests waiting as its engine reports, on a Pod
+//! with none waiting, with models trained on the Pods' own answers, for a
+//! policy that bounds `PredictedTTFT` nowhere (an SLO must see the
+//! request's whole prefill), and each EPP process seeds at most one
+//! replica per [`SEED_INTERVAL`] (requests decided at the same moment may
+//! seed together). The route memory and the gate are each EPP process's
+//! own: with several EPP Pods, each counts the reusers it routed.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,8 +32,8 @@ use prometheus_client::metrics::counter::Counter;
 
 use super::sync::lock;
 
-/// How often an EPP replica seeds a new replica at most: longer than a prefill and
-/// the events that follow it, so that a replica shows in the next
+/// How often an EPP process seeds a new replica at most: longer than a
+/// prefill and the events that follow it, so that a replica shows in the next
 /// decisions before another is paid for. Each seed costs one request a
 /// whole prefill and its Pod a batch slot for as long; unbounded, a pool
 /// under load seeded replicas faster than they paid back and the prefills
