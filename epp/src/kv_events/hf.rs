@@ -19,9 +19,10 @@
 //! if its ids would be kept: an encoding past the budget serves the next
 //! sighting of the piece, not this request, and one that is not kept
 //! serves nothing. Kept ids go to the pieces seen most often (a piece
-//! evicts the oldest only if seen more often than it), so prompts sent in
-//! turn that do not all fit keep those that do instead of evicting each
-//! other before they come back.
+//! evicts others only if seen more often than each, by more than one
+//! sighting, and a piece found since it was kept is evicted last), so
+//! prompts sent in turn that do not all fit keep those that do instead of
+//! evicting each other before they come back.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -391,9 +392,14 @@ impl Pieces {
         let mut at = 0;
         let mut piece = |text: &str, out: &mut Option<Vec<u32>>| {
             match self.piece(text, &encode, &too_long, out.is_some())? {
-                Piece::Ids(ids) => {
+                Piece::Kept(ids) => {
                     if let Some(out) = out {
                         out.extend_from_slice(&ids);
+                    }
+                }
+                Piece::Short(ids) => {
+                    if let Some(out) = out {
+                        out.extend(ids);
                     }
                 }
                 Piece::NotWorthEncoding => {
@@ -424,11 +430,11 @@ impl Pieces {
         needed: bool,
     ) -> Result<Piece, TokenizeError> {
         if text.is_empty() {
-            return Ok(Piece::Ids(Arc::new([])));
+            return Ok(Piece::Short(Vec::new()));
         }
         if text.len() < MIN_KEPT_BYTES {
             return match needed {
-                true => Ok(Piece::Ids(encode(text)?.into())),
+                true => Ok(Piece::Short(encode(text)?)),
                 false => Ok(Piece::NotWorthEncoding),
             };
         }
@@ -441,7 +447,7 @@ impl Pieces {
             (kept, admitted)
         };
         if let Some(ids) = kept {
-            return Ok(Piece::Ids(ids));
+            return Ok(Piece::Kept(ids));
         }
         if !admitted && (!needed || too_long(text.len())) {
             return Ok(Piece::NotWorthEncoding);
@@ -451,7 +457,7 @@ impl Pieces {
         // Admitted on a guess of its size: kept at its real size, making
         // room, so that a piece encoded to be kept is kept.
         self.lock().keep(key, Arc::clone(&ids), admitted);
-        Ok(Piece::Ids(ids))
+        Ok(Piece::Kept(ids))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SegmentCache> {
@@ -459,10 +465,12 @@ impl Pieces {
     }
 }
 
-/// A piece of a chat: its ids, or not encoded because it would take past
-/// the budget and not be kept.
+/// A piece of a chat: its ids as kept, a short piece's ids (encoded each
+/// time, never kept), or not encoded because it would take past the budget
+/// and not be kept.
 enum Piece {
-    Ids(Arc<[u32]>),
+    Kept(Arc<[u32]>),
+    Short(Vec<u32>),
     NotWorthEncoding,
 }
 

@@ -2,9 +2,9 @@
 //! events say it holds.
 //!
 //! Tokenizing runs off the async runtime, on at most half the cores at
-//! once ([`slots`]), and within a time budget: a request whose prompt is not tokenized in time
-//! (or finds every tokenizer busy) is matched by the approximate index
-//! instead, and the metrics say so.
+//! once ([`slots`]), and within a time budget: a request whose prompt is
+//! not tokenized in time (or finds every tokenizer busy) is matched by the
+//! approximate index instead, and the metrics say so.
 
 use std::ops::Range;
 use std::sync::Arc;

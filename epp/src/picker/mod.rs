@@ -444,14 +444,14 @@ impl Router for Picker {
                 // done beside the reply, not before it.
                 let now = Instant::now();
                 local.state.kv.note_routed(now);
-                let (state, hashes) = (local.state, local.prefix_hashes);
-                let chain: Arc<[u64]> = hashes.as_slice().into();
+                let state = local.state;
+                let chain: Arc<[u64]> = local.prefix_hashes.into();
                 if self.precise.get().is_some() {
                     // Precise mode: the Pod's events will trail this route.
                     state.routed.record(Arc::clone(&chain), now);
                 }
-                self.routes.record(chain, now);
-                tokio::spawn(async move { state.prefix.record(&hashes) });
+                self.routes.record(Arc::clone(&chain), now);
+                tokio::spawn(async move { state.prefix.record(&chain) });
                 let route = Route::Local(LocalRoute {
                     rule: local.rule,
                     model: local.model,
