@@ -143,6 +143,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     conf_dir = "{cni_conf}"
     max_conf_num = 1
 
+# NRI, on by default since containerd 2.0, would leave its socket in
+# /run/nri on the host; nothing here uses it.
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+
 [plugins."io.containerd.grpc.v1.cri"]
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
