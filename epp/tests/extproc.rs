@@ -675,6 +675,76 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
     );
 }
 
+/// A stream reports the engine's cached count at its end only when asked
+/// (`stream_options.include_usage`); one that will not is learnt at its
+/// first byte, not seconds later when it ends. A whole answer, and a stream
+/// that asked, wait for the count; so do unasked streams to an engine that
+/// has been seen to report anyway (vLLM's `--enable-force-include-usage`).
+#[tokio::test]
+async fn a_stream_that_will_not_report_usage_is_learnt_at_its_first_byte() {
+    let policy = "rules:\n  - name: fast\n    route: { select: [{ minimize: PredictedTTFT }] }\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
+    let learnt = || h.epp.picker.ttft.observations(&state.ttft);
+    let usage = serde_json::to_vec(&json!({
+        "choices": [],
+        "usage": { "prompt_tokens": 9, "prompt_tokens_details": { "cached_tokens": 0 } }
+    }))
+    .unwrap();
+    let body = |stream: serde_json::Value| {
+        let mut body = json!({
+            "model": "qwen",
+            "messages": [{ "role": "user", "content": "hello there" }],
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(stream.as_object().unwrap().clone());
+        HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap())
+    };
+    let unasked = body(json!({ "stream": true }));
+    let asked = body(json!({ "stream": true, "stream_options": { "include_usage": true } }));
+    let whole = body(json!({ "stream": false }));
+    // Old and new vLLM read a missing include_usage differently: waited for.
+    let maybe = body(json!({ "stream": true, "stream_options": {} }));
+    // (request, its answer's last chunk, learnt at the first byte)
+    let cases = [
+        (&unasked, Vec::new(), true),
+        (&asked, usage.clone(), false),
+        (&whole, usage.clone(), false),
+        (&maybe, usage.clone(), false),
+        // The engine reports although not asked: learnt at the first byte
+        // this once, and from now on its unasked streams wait...
+        (&unasked, usage.clone(), true),
+        (&unasked, usage.clone(), false),
+        // ...until one ends without the count (the engine restarted
+        // without the flag): learnt when its stream closes, and the next
+        // at its first byte again.
+        (&unasked, Vec::new(), false),
+        (&unasked, Vec::new(), true),
+    ];
+    for (i, (request, last_chunk, at_first_byte)) in cases.into_iter().enumerate() {
+        let before = learnt();
+        let (outcome, mut stream) = h.client.decide(request).await.unwrap();
+        let served = outcome.destination().unwrap().to_string();
+        stream
+            .response_headers(200, Some(&served), Some(40.0))
+            .await
+            .unwrap();
+        let expected = before + u64::from(at_first_byte);
+        assert_eq!(learnt(), expected, "case {i}: at the first byte");
+        stream.finish_with(last_chunk).await.unwrap();
+        // A sample no count came for is learnt when the stream closes,
+        // just after the client's last message.
+        for _ in 0..200 {
+            if learnt() > before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(learnt(), before + 1, "case {i}: once the answer ended");
+    }
+}
+
 #[tokio::test]
 async fn prefix_locality_sends_a_shared_prefix_back_to_its_endpoint() {
     let policy =

@@ -49,6 +49,11 @@ pub struct ParsedBody {
     pub messages: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
     pub max_tokens: Option<u64>,
     pub stream: bool,
+    /// The client asked, or may have asked, a stream to end with the token
+    /// counts: any `stream_options` but an `include_usage` of false or null.
+    /// (A missing `include_usage` means true in some vLLM releases, false
+    /// in others.)
+    pub stream_usage: bool,
 }
 
 #[derive(Deserialize)]
@@ -71,6 +76,10 @@ struct Wire<'a> {
     max_output_tokens: Option<u64>,
     #[serde(default)]
     stream: Option<bool>,
+    /// Read leniently: only the usage it may ask for matters here, and an
+    /// odd shape is the engine's to refuse.
+    #[serde(default)]
+    stream_options: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -171,7 +180,19 @@ pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
             .or(wire.max_completion_tokens)
             .or(wire.max_output_tokens),
         stream: wire.stream.unwrap_or(false),
+        stream_usage: may_ask_usage(wire.stream_options.as_ref()),
     })
+}
+
+fn may_ask_usage(stream_options: Option<&serde_json::Value>) -> bool {
+    use serde_json::Value;
+    match stream_options {
+        None | Some(Value::Null) => false,
+        Some(o) => !matches!(
+            o.get("include_usage"),
+            Some(Value::Bool(false) | Value::Null)
+        ),
+    }
 }
 
 fn push_line(out: &mut String, text: &str) {
@@ -265,6 +286,25 @@ mod tests {
         let parsed = parse(body).unwrap();
         assert_eq!(parsed.prompt, "");
         assert_eq!(parsed.messages, [(0..0, 0..0)]);
+    }
+
+    #[test]
+    fn a_stream_may_ask_for_usage_unless_it_says_no() {
+        let with = |options: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"p","stream":true{options}}}"#);
+            parse(body.as_bytes()).unwrap().stream_usage
+        };
+        assert!(with(r#","stream_options":{"include_usage":true}"#));
+        // vLLM releases differ on a missing include_usage; an odd value or
+        // shape is the engine's to judge.
+        assert!(with(r#","stream_options":{}"#));
+        assert!(with(r#","stream_options":{"continuous_usage_stats":true}"#));
+        assert!(with(r#","stream_options":{"include_usage":"true"}"#));
+        assert!(with(r#","stream_options":"usage""#));
+        assert!(!with(""));
+        assert!(!with(r#","stream_options":null"#));
+        assert!(!with(r#","stream_options":{"include_usage":false}"#));
+        assert!(!with(r#","stream_options":{"include_usage":null}"#));
     }
 
     #[test]

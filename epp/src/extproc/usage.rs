@@ -1,6 +1,7 @@
 //! The token counts an OpenAI-compatible server reports in its answer
-//! (`usage.prompt_tokens`, `usage.prompt_tokens_details.cached_tokens`),
-//! read off the response body as it streams past, in constant memory.
+//! (`usage.prompt_tokens`, `usage.prompt_tokens_details.cached_tokens`;
+//! the Responses API says `input_tokens` and `input_tokens_details`), read
+//! off the response body as it streams past, in constant memory.
 //!
 //! A streamed answer reports usage in its last event (vLLM with
 //! `stream_options.include_usage`), a whole one at its end: the scanner
@@ -19,6 +20,7 @@ pub struct Usage {
 }
 
 const PROMPT: &[u8] = br#""prompt_tokens""#;
+const INPUT: &[u8] = br#""input_tokens""#;
 const CACHED: &[u8] = br#""cached_tokens""#;
 
 /// Bytes carried from one chunk to the next, so that a key and its number
@@ -37,7 +39,9 @@ impl UsageScanner {
     /// Reads one chunk; `last`: the body ends with it.
     pub fn feed(&mut self, chunk: &[u8], last: bool) {
         self.window.extend_from_slice(chunk);
-        if let Some(n) = last_number_after(&self.window, PROMPT, last) {
+        if let Some(n) = last_number_after(&self.window, PROMPT, last)
+            .or_else(|| last_number_after(&self.window, INPUT, last))
+        {
             self.usage.prompt_tokens = Some(n);
         }
         if let Some(n) = last_number_after(&self.window, CACHED, last) {
@@ -109,6 +113,16 @@ mod tests {
         ]);
         assert_eq!(usage.prompt_tokens, Some(77));
         assert_eq!(usage.cached_tokens, Some(64));
+    }
+
+    #[test]
+    fn a_responses_stream_reports_input_tokens_when_it_completes() {
+        let usage = scan(&[
+            b"event: response.created\ndata: {\"response\":{\"usage\":null}}\n\n",
+            b"event: response.completed\ndata: {\"response\":{\"output\":[],\"usage\":{\"input_tokens\":300,\"input_tokens_details\":{\"cached_tokens\":256},\"output_tokens\":4}}}\n\n",
+        ]);
+        assert_eq!(usage.prompt_tokens, Some(300));
+        assert_eq!(usage.cached_tokens, Some(256));
     }
 
     #[test]

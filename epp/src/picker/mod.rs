@@ -27,7 +27,7 @@ pub use recent::{RecentDecisions, RecordedDecision};
 
 use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
-use crate::extproc::body::estimate_tokens;
+use crate::extproc::body::{Api, estimate_tokens};
 use crate::extproc::router::Usage;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
 use crate::kv_events::mismatch::Check;
@@ -384,6 +384,10 @@ pub struct Ticket {
     /// Once the first byte came: its TTFT, for the model to learn when the
     /// engine's cached count has come or the stream ends.
     sample: Option<TtftSample>,
+    /// The answer will end with the engine's token counts, if the engine
+    /// reports them: a whole answer, a Responses stream, a stream that
+    /// asked (or may have) for them.
+    usage_in_answer: bool,
     /// The prediction itself, in seconds.
     predicted_ttft: Option<f64>,
     /// The cached prefix the decision counted on; `None` for a provider.
@@ -398,6 +402,7 @@ impl Ticket {
         features: Option<TtftFeatures>,
         predicted_ttft: Option<f64>,
         prefix: Option<PrefixPrediction>,
+        usage_in_answer: bool,
     ) -> Self {
         let now = Instant::now();
         Ticket {
@@ -406,9 +411,29 @@ impl Ticket {
             address,
             features,
             sample: None,
+            usage_in_answer,
             predicted_ttft,
             prefix,
             decided_at: now,
+        }
+    }
+}
+
+/// Whether the answer will end with its token counts (when its engine
+/// reports them): a whole answer always does, a Responses stream in its
+/// last event, a chat or completions stream only when asked
+/// (`stream_options.include_usage`).
+fn answer_reports_usage(request: &Incoming<'_>) -> bool {
+    !request.body.stream || request.body.stream_usage || request.api == Api::Responses
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // Held because the engine had reported unasked, and no count came:
+        // it no longer does (restarted without the flag), or the client
+        // left; either way the next unasked answer tells again.
+        if !self.usage_in_answer && self.sample.is_some() {
+            self.state.note_usage_unasked(false);
         }
     }
 }
@@ -439,6 +464,7 @@ impl Router for Picker {
                     local.features,
                     local.predicted_ttft,
                     local.prefix,
+                    answer_reports_usage(request),
                 );
                 // Indexing a long prompt costs a few hundred microseconds:
                 // done beside the reply, not before it.
@@ -483,7 +509,7 @@ impl Router for Picker {
                         return (route, None);
                     }
                 };
-                let ticket = Ticket::new(p.state, None, None, None, None);
+                let ticket = Ticket::new(p.state, None, None, None, None, false);
                 let route = Route::Provider(ProviderRoute {
                     rule: p.rule,
                     provider: p.provider,
@@ -533,10 +559,15 @@ impl Router for Picker {
                 // A refusal (400: context too long) answers at once, with
                 // nothing prefilled: not a TTFT to learn from.
                 let answered = (200..300).contains(&status);
-                ticket.sample = ticket.features.take().filter(|_| answered).map(|f| {
+                let sample = ticket.features.take().filter(|_| answered).map(|f| {
                     let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
                     TtftSample::new(model, state, f, ttft.as_secs_f64())
                 });
+                if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
+                    ticket.sample = sample;
+                } else if let Some(sample) = sample {
+                    sample.learn();
+                }
                 ticket.guard.record(Outcome::Success, now);
             }
         }
@@ -550,7 +581,12 @@ impl Router for Picker {
     /// prediction error, the cached count the TTFT model learns with, and in
     /// precise mode the tokenizer check.
     fn usage(&self, ticket: &mut Ticket, usage: Usage) {
+        // None after a fallback: the answer is another Pod's.
         let Some(prefix) = ticket.prefix else { return };
+        if !ticket.usage_in_answer && usage.cached_tokens.is_some() {
+            // Its next unasked streams wait for the count too.
+            ticket.state.note_usage_unasked(true);
+        }
         if let (Some(reported), Some(prompt)) = (usage.cached_tokens, usage.prompt_tokens)
             && prefix.prompt > 0.0
         {

@@ -5,6 +5,7 @@
 //! with the destination and nothing outlives it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::routed::RoutedPrefixes;
@@ -41,6 +42,9 @@ pub struct DestinationState {
     /// Prompts routed here in the last seconds (precise mode: what the
     /// events have not reported yet).
     pub routed: RoutedPrefixes,
+    /// Its engine ended a stream with token counts the request had not
+    /// asked for (vLLM's `--enable-force-include-usage`).
+    usage_unasked: AtomicBool,
 }
 
 impl DestinationState {
@@ -61,7 +65,18 @@ impl DestinationState {
             ttft: EndpointTtft::default(),
             kv,
             routed: RoutedPrefixes::default(),
+            usage_unasked: AtomicBool::new(false),
         })
+    }
+
+    /// Whether its streams end with token counts even when not asked to.
+    pub fn reports_usage_unasked(&self) -> bool {
+        self.usage_unasked.load(Ordering::Relaxed)
+    }
+
+    /// What its last stream that did not ask for token counts showed.
+    pub fn note_usage_unasked(&self, reported: bool) {
+        self.usage_unasked.store(reported, Ordering::Relaxed);
     }
 
     /// New metrics of the destination: sizes the prefix cache like the

@@ -13,9 +13,12 @@
 //!
 //! The engine reports the truth (`usage.prompt_tokens_details.cached_tokens`)
 //! at the end of its answer, after the first byte. So the sample waits: it
-//! is learnt once, when dropped, with the engine's count if one came and
-//! with the guess otherwise (an engine that reports none, a stream without
-//! usage, a client that went away).
+//! is learnt once, when the count comes or when dropped, with the engine's
+//! count if one came and with the guess otherwise (an engine that reports
+//! none, a client that went away). A stream that will not report (one that
+//! did not ask, `stream_options.include_usage`, to an engine that reports
+//! only when asked) is learnt at its first byte: waiting for its end, often
+//! many seconds later, would only keep the model behind.
 
 use std::sync::Arc;
 
@@ -54,6 +57,11 @@ impl TtftSample {
         }
         let cached_share = engine_cached.min(engine_prompt) as f64 / engine_prompt as f64;
         self.features.uncached_tokens = prompt * (1.0 - cached_share);
+    }
+
+    /// Learns it now, with the index's guess: the answer will not say.
+    pub fn learn(self) {
+        drop(self);
     }
 
     /// The features the model will learn from.
