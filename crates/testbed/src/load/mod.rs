@@ -14,7 +14,9 @@ pub mod stats;
 
 pub use cpu::{Clocks, Cpu, Mark};
 pub use phase::{Outcome, Phase, Turn, Window};
-pub use stats::{PhaseSpec, Tally, ms, per_request_us, quantile, ratio};
+pub use stats::{
+    PhaseSpec, Tally, best_single_prediction_share, ms, per_request_us, quantile, ratio,
+};
 
 use std::time::Duration;
 
