@@ -23,6 +23,7 @@ pub mod pool;
 pub mod precise;
 pub mod subscriber;
 pub mod tokenize;
+mod tokenize_pool;
 pub mod wire;
 pub mod zmtp;
 

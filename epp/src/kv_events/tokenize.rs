@@ -4,7 +4,8 @@
 //! Tokenizing runs off the async runtime, on at most half the cores at
 //! once ([`slots`]), and within a time budget: a request whose prompt is
 //! not tokenized in time (or finds every tokenizer busy) is matched by the
-//! approximate index instead, and the metrics say so.
+//! approximate index instead, and the metrics say so. Work that runs on
+//! past its budget runs at a lower priority ([`super::tokenize_pool`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use tokio::sync::Semaphore;
 
 use super::hf::{HfTokenizer, LoadError, TokenizeError};
 use super::index::{chain_root, token_chain};
+use super::tokenize_pool::TokenizePool;
 use crate::extproc::body::ParsedBody;
 use crate::predict::MAX_BLOCKS;
 
@@ -174,6 +176,7 @@ pub struct PromptTokenizer {
     tokenizer: Arc<Tokenizer>,
     budget: Duration,
     slots: Arc<Semaphore>,
+    threads: TokenizePool,
     outcomes: Family<Outcome, Counter>,
 }
 
@@ -183,6 +186,7 @@ impl PromptTokenizer {
             tokenizer: Arc::new(tokenizer),
             budget,
             slots: Arc::new(Semaphore::new(slots())),
+            threads: TokenizePool::new(slots()),
             outcomes: Family::default(),
         }
     }
@@ -202,8 +206,8 @@ impl PromptTokenizer {
         self.outcomes.get_or_create(&Outcome { outcome }).inc();
     }
 
-    /// Tokenizes `prompt` on the blocking pool within the budget; `None`
-    /// when over budget or every slot is taken.
+    /// Tokenizes `prompt` on the tokenizer threads within the budget;
+    /// `None` when over budget or every slot is taken.
     pub async fn tokenize(&self, prompt: PromptText) -> Option<PromptTokens> {
         let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() else {
             self.count("busy");
@@ -211,19 +215,26 @@ impl PromptTokenizer {
         };
         let tokenizer = Arc::clone(&self.tokenizer);
         let budget = self.budget;
+        let (answer, answered) = tokio::sync::oneshot::channel();
         // The permit goes with the work: a tokenization that outlives its
         // budget still holds its slot until it ends.
-        let work = tokio::task::spawn_blocking(move || {
+        let running = self.threads.run(move || {
             let tokens = tokenizer.tokens_within(&prompt, Some(budget));
             drop(permit);
-            tokens
+            let _ = answer.send(tokens);
         });
-        match tokio::time::timeout(self.budget, work).await {
+        match tokio::time::timeout(self.budget, answered).await {
             Ok(Ok(done)) => {
                 self.count(outcome_of(&done));
                 done.ok().map(PromptTokens::new)
             }
-            Ok(Err(_)) | Err(_) => {
+            // The tokenizer panicked.
+            Ok(Err(_)) => {
+                self.count("error");
+                None
+            }
+            Err(_) => {
+                self.threads.lower(&running);
                 self.count("over_budget");
                 None
             }
@@ -317,14 +328,47 @@ mod tests {
         assert_eq!(outcome_of(&Ok(vec![1])), "ok");
     }
 
+    /// The nice values of this process's tokenizer threads.
+    fn tokenizer_threads() -> Vec<i32> {
+        let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+        tasks
+            .flatten()
+            .filter(|task| {
+                std::fs::read_to_string(task.path().join("comm"))
+                    .is_ok_and(|name| name.trim() == "kv-tokenize")
+            })
+            .filter_map(|task| task.file_name().to_str()?.parse().ok())
+            .filter_map(|tid| {
+                let thread = rustix::process::Pid::from_raw(tid)?;
+                rustix::process::getpriority_process(Some(thread)).ok()
+            })
+            .collect()
+    }
+
     #[tokio::test]
     async fn over_budget_or_busy_falls_back_and_is_counted() {
         let t = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::ZERO);
         let big = PromptText {
-            text: "word ".repeat(200_000),
+            text: "word ".repeat(400_000),
             messages: Vec::new(),
         };
         assert!(t.tokenize(big).await.is_none());
+        // It runs on, lowered (tokenize_pool.rs): seen while it runs.
+        let me = rustix::process::getpriority_process(None).unwrap();
+        let lowered = (me + super::super::tokenize_pool::OVERTIME_NICE_STEPS).min(19);
+        let mut seen = false;
+        for _ in 0..200 {
+            seen = tokenizer_threads().contains(&lowered);
+            if seen {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(seen, "no tokenizer thread at nice {lowered}");
+        let over = Outcome {
+            outcome: "over_budget",
+        };
+        assert_eq!(t.outcomes.get_or_create(&over).get(), 1);
         let t = PromptTokenizer::new(Tokenizer::simulator_dummy(), Duration::from_secs(5));
         let _held: Vec<_> = (0..slots())
             .map(|_| Arc::clone(&t.slots).try_acquire_owned().unwrap())
