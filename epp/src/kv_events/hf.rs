@@ -236,12 +236,13 @@ impl HfTokenizer {
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
-        let started = Instant::now();
+        let started = thread_cpu();
         let encoding = self
             .tokenizer
             .encode_fast(text, special)
             .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-        self.cost.learn(text.len(), started.elapsed());
+        self.cost
+            .learn(text.len(), thread_cpu().saturating_sub(started));
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -289,6 +290,18 @@ const MIN_AGING_WINDOW: usize = 256;
 /// 4 for English with the usual vocabularies).
 const BYTES_PER_ID: usize = 4;
 
+/// The CPU time this thread has used. An encoding's cost is what it
+/// computes: a busy machine, or the lower priority it runs on past its
+/// budget (`tokenize_pool.rs`), makes it take longer, not cost more, and
+/// would otherwise teach the cost to refuse what fits.
+fn thread_cpu() -> Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        u64::try_from(now.tv_sec).unwrap_or(0),
+        u32::try_from(now.tv_nsec).unwrap_or(0),
+    )
+}
+
 /// What encoding costs a byte, learnt from the encodings of at least
 /// [`LEARNT_FROM_BYTES`] (shorter ones are mostly fixed cost).
 struct EncodeCost {
@@ -299,7 +312,7 @@ struct EncodeCost {
 }
 
 /// One refusal in this many is encoded anyway, so that a cost learnt too
-/// high (a sample slowed by a busy machine) is still corrected.
+/// high (noisy samples) is still corrected.
 const ENCODE_ANYWAY_EVERY: u64 = 64;
 
 const LEARNT_FROM_BYTES: usize = 4096;
@@ -330,8 +343,8 @@ impl EncodeCost {
                 != ENCODE_ANYWAY_EVERY - 1
     }
 
-    /// An encoding of `bytes` took `took`. One sample moves the cost at most
-    /// twofold up: a thread descheduled mid-encoding is not the tokenizer.
+    /// An encoding of `bytes` took `took` of CPU. One sample moves the cost
+    /// at most twofold up: one noisy sample is not the tokenizer.
     fn learn(&self, bytes: usize, took: Duration) {
         if bytes < LEARNT_FROM_BYTES {
             return;

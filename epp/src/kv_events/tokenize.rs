@@ -33,6 +33,9 @@ pub fn slots() -> usize {
     (cores / 2).clamp(1, 4)
 }
 
+/// The tokenizer threads' name.
+const THREAD_NAME: &str = "kv-tokenize";
+
 /// What a tokenizer needs of a request: the prompt text as the EPP parsed
 /// it, and for chat requests each message's role and content in it.
 #[derive(Debug, Clone, Default)]
@@ -186,7 +189,7 @@ impl PromptTokenizer {
             tokenizer: Arc::new(tokenizer),
             budget,
             slots: Arc::new(Semaphore::new(slots())),
-            threads: TokenizePool::new(slots()),
+            threads: TokenizePool::new(THREAD_NAME, slots()),
             outcomes: Family::default(),
         }
     }
@@ -329,13 +332,14 @@ mod tests {
     }
 
     /// The nice values of this process's tokenizer threads.
+    #[cfg(target_os = "linux")]
     fn tokenizer_threads() -> Vec<i32> {
         let tasks = std::fs::read_dir("/proc/self/task").unwrap();
         tasks
             .flatten()
             .filter(|task| {
                 std::fs::read_to_string(task.path().join("comm"))
-                    .is_ok_and(|name| name.trim() == "kv-tokenize")
+                    .is_ok_and(|name| name.trim() == THREAD_NAME)
             })
             .filter_map(|task| task.file_name().to_str()?.parse().ok())
             .filter_map(|tid| {
@@ -354,17 +358,21 @@ mod tests {
         };
         assert!(t.tokenize(big).await.is_none());
         // It runs on, lowered (tokenize_pool.rs): seen while it runs.
-        let me = rustix::process::getpriority_process(None).unwrap();
-        let lowered = (me + super::super::tokenize_pool::OVERTIME_NICE_STEPS).min(19);
-        let mut seen = false;
-        for _ in 0..200 {
-            seen = tokenizer_threads().contains(&lowered);
-            if seen {
-                break;
+        #[cfg(target_os = "linux")]
+        {
+            let me = rustix::process::getpriority_process(None).unwrap();
+            assert!(me < 19, "the tests run at nice 19: nothing can be lowered");
+            let lowered = (me + super::super::tokenize_pool::OVERTIME_NICE_STEPS).min(19);
+            let mut seen = false;
+            for _ in 0..200 {
+                seen = tokenizer_threads().contains(&lowered);
+                if seen {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(seen, "no tokenizer thread at nice {lowered}");
         }
-        assert!(seen, "no tokenizer thread at nice {lowered}");
         let over = Outcome {
             outcome: "over_budget",
         };
