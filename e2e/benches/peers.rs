@@ -1283,6 +1283,8 @@ struct Predictions {
     /// TTFT predictions within 25% of the observed TTFT, and all of them.
     ttft_within_25: f64,
     ttft: f64,
+    /// TTFT predictions above the observed TTFT.
+    ttft_over: f64,
     /// Precise mode: answers whose reported cached tokens agreed with the
     /// index, and all answers checked.
     events_agree: f64,
@@ -1290,6 +1292,12 @@ struct Predictions {
 }
 
 impl Predictions {
+    /// The share of a phase's TTFT predictions that were too high.
+    fn over_share(before: Predictions, after: Predictions) -> Option<f64> {
+        let all = after.ttft - before.ttft;
+        (all > 0.0).then(|| (after.ttft_over - before.ttft_over) / all)
+    }
+
     /// The shares over a phase, from the counts before and after it.
     fn shares(before: Predictions, after: Predictions) -> (Option<f64>, Option<f64>) {
         let share = |part: f64, all: f64| (all > 0.0).then(|| part / all);
@@ -1327,7 +1335,12 @@ async fn predictions(http: &HttpClient, epp: Option<&EppProcess>) -> Option<Pred
             {
                 p.ttft_within_25 += s.value
             }
-            "kinference_epp_ttft_prediction_relative_error_count" => p.ttft += s.value,
+            "kinference_epp_ttft_prediction_relative_error_count" => {
+                p.ttft += s.value;
+                if label("direction") == Some("over") {
+                    p.ttft_over += s.value;
+                }
+            }
             "kinference_epp_kv_events_checks_total" => {
                 p.events_checked += s.value;
                 if label("result") == Some("agree") {
@@ -1694,8 +1707,14 @@ impl Bench {
                 let (predictions_within_25, events_agree) = before
                     .zip(after)
                     .map_or((None, None), |(b, a)| Predictions::shares(b, a));
+                let over = before
+                    .zip(after)
+                    .and_then(|(b, a)| Predictions::over_share(b, a))
+                    .map_or(String::new(), |o| {
+                        format!(", TTFT predictions too high {:.0}%", o * 100.0)
+                    });
                 let phase = format!("{} {rate:.0}/s", workload.label);
-                eprintln!("[peers] {} {phase}: {}", contender.name, brief(&m));
+                eprintln!("[peers] {} {phase}: {}{over}", contender.name, brief(&m));
                 report.rows.push(Row {
                     contender: contender.name,
                     phase,
