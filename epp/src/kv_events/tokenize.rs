@@ -185,11 +185,13 @@ pub struct PromptTokenizer {
 
 impl PromptTokenizer {
     pub fn new(tokenizer: Tokenizer, budget: Duration) -> PromptTokenizer {
+        // A thread for each slot: a job with a slot never waits for one.
+        let slots = slots();
         PromptTokenizer {
             tokenizer: Arc::new(tokenizer),
             budget,
-            slots: Arc::new(Semaphore::new(slots())),
-            threads: TokenizePool::new(THREAD_NAME, slots()),
+            slots: Arc::new(Semaphore::new(slots)),
+            threads: TokenizePool::new(THREAD_NAME, slots),
             outcomes: Family::default(),
         }
     }
@@ -261,6 +263,8 @@ fn outcome_of(done: &Result<Vec<u32>, TokenizeError>) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_os = "linux")]
+    use super::super::tokenize_pool::OVERTIME_NICE_STEPS;
     use super::*;
 
     /// A chat request's prompt, as the EPP parses it.
@@ -362,7 +366,7 @@ mod tests {
         {
             let me = rustix::process::getpriority_process(None).unwrap();
             assert!(me < 19, "the tests run at nice 19: nothing can be lowered");
-            let lowered = (me + super::super::tokenize_pool::OVERTIME_NICE_STEPS).min(19);
+            let lowered = (me + OVERTIME_NICE_STEPS).min(19);
             let mut seen = false;
             for _ in 0..200 {
                 seen = tokenizer_threads().contains(&lowered);
