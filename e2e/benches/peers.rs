@@ -1294,13 +1294,11 @@ struct Predictions {
 impl Predictions {
     /// The share of a phase's TTFT predictions that were too high.
     fn over_share(before: Predictions, after: Predictions) -> Option<f64> {
-        let all = after.ttft - before.ttft;
-        (all > 0.0).then(|| (after.ttft_over - before.ttft_over) / all)
+        share(after.ttft_over - before.ttft_over, after.ttft - before.ttft)
     }
 
     /// The shares over a phase, from the counts before and after it.
     fn shares(before: Predictions, after: Predictions) -> (Option<f64>, Option<f64>) {
-        let share = |part: f64, all: f64| (all > 0.0).then(|| part / all);
         (
             share(
                 after.ttft_within_25 - before.ttft_within_25,
@@ -1312,6 +1310,11 @@ impl Predictions {
             ),
         )
     }
+}
+
+/// `part` of `all`; `None` when there is nothing.
+fn share(part: f64, all: f64) -> Option<f64> {
+    (all > 0.0).then(|| part / all)
 }
 
 async fn predictions(http: &HttpClient, epp: Option<&EppProcess>) -> Option<Predictions> {

@@ -32,22 +32,26 @@ async fn sim(name: &str, models: &[&str]) -> SimHandle {
         .unwrap()
 }
 
-/// An EPP on loopback with `policy` over `sims` (their models as given).
-/// Serves ext_proc for `epp`, whose metrics the test sets itself (no
-/// scraper runs), and connects a client.
-async fn serve_without_scraper(epp: &Epp) -> EppClient {
+/// Serves ext_proc for `epp` on loopback until `shutdown`; its address.
+async fn serve_on_loopback(
+    epp: &Epp,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = epp.clone();
-    tokio::spawn(async move {
-        server
-            .serve_ext_proc(listener, std::future::pending())
-            .await
-            .unwrap()
-    });
+    tokio::spawn(async move { server.serve_ext_proc(listener, shutdown).await.unwrap() });
+    addr
+}
+
+/// Serves ext_proc for `epp`, whose metrics the test sets itself (no
+/// scraper runs), and connects a client.
+async fn serve_without_scraper(epp: &Epp) -> EppClient {
+    let addr = serve_on_loopback(epp, std::future::pending()).await;
     EppClient::connect(addr).await.unwrap()
 }
 
+/// An EPP on loopback with `policy` over `sims` (their models as given).
 async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
     let epp = Epp::new(Settings {
         ext_proc: ExtProcConfig {
@@ -78,18 +82,11 @@ async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
         .replace_all(endpoints_from_specs(specs).unwrap());
     epp.registry().mark_synced();
     epp.spawn_scraper();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = epp.clone();
-    tokio::spawn(async move {
-        server
-            .serve_ext_proc(listener, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-    });
+    let addr = serve_on_loopback(&epp, async {
+        let _ = stopped.await;
+    })
+    .await;
     let client = EppClient::connect(addr).await.unwrap();
     let harness = Harness {
         epp,

@@ -649,6 +649,17 @@ mod tests {
         vec![0; n].into()
     }
 
+    /// Fills `cache` with four pieces, 0 to 3, of a quarter of the kept ids
+    /// each, every one seen `sightings` times.
+    fn fill_with_quarters(cache: &mut SegmentCache, sightings: usize) {
+        for key in 0..4 {
+            for _ in 0..sightings {
+                cache.sight(key);
+            }
+            cache.keep(key, piece(KEPT_IDS / 4), false);
+        }
+    }
+
     #[test]
     fn kept_pieces_stay_within_their_bound_oldest_out_first() {
         let mut cache = SegmentCache::default();
@@ -695,10 +706,7 @@ mod tests {
     #[test]
     fn a_piece_seen_more_often_than_the_oldest_takes_its_place() {
         let mut cache = SegmentCache::default();
-        for key in 0..4 {
-            cache.sight(key);
-            cache.keep(key, piece(KEPT_IDS / 4), false);
-        }
+        fill_with_quarters(&mut cache, 1);
         cache.sight(9);
         cache.sight(9);
         assert!(
@@ -747,12 +755,7 @@ mod tests {
         };
         let past_budget = |_: usize| true;
         // The kept ids are full of pieces seen twice.
-        for key in 0..4u128 {
-            let mut cache = p.lock();
-            cache.sight(key);
-            cache.sight(key);
-            cache.keep(key, piece(KEPT_IDS / 4), false);
-        }
+        fill_with_quarters(&mut p.lock(), 2);
         let long = "tea ".repeat(1_000);
         let chat = format!("<|im_start|>{long}<|im_end|>");
         let err = p.encode(&chat, encode, past_budget).unwrap_err();
@@ -797,10 +800,7 @@ mod tests {
     #[test]
     fn a_piece_found_again_gets_a_second_chance() {
         let mut cache = SegmentCache::default();
-        for key in 0..4 {
-            cache.sight(key);
-            cache.keep(key, piece(KEPT_IDS / 4), false);
-        }
+        fill_with_quarters(&mut cache, 1);
         assert!(cache.get(0).is_some());
         assert_eq!(cache.victims(10), Some(vec![1]));
         for _ in 0..3 {
