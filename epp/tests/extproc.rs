@@ -672,6 +672,51 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
     );
 }
 
+/// The approximate index remembers prompt text and is sized like the
+/// engine's KV cache, which counts the engine's tokens. An engine whose
+/// tokenizer makes half as many tokens of a text as the estimate's 4 bytes
+/// a token holds twice the text: learnt from the prompt counts its answers
+/// report, the index grows to match at the next scrape.
+#[tokio::test]
+async fn the_prefix_index_holds_as_much_text_as_the_engines_cache() {
+    let policy = "rules:\n  - name: fast\n    route: { select: [{ minimize: PredictedTTFT }] }\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 22).await;
+    let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
+    let sized_by_estimate = state.prefix.capacity();
+    let prompt = "Some long system prompt, tokenized coarsely. ".repeat(100);
+    let estimated = prompt.len().div_ceil(4);
+    let answer = serde_json::to_vec(&json!({
+        "choices": [],
+        "usage": { "prompt_tokens": estimated / 2 }
+    }))
+    .unwrap();
+    for _ in 0..60 {
+        let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
+        let (outcome, mut stream) = h.client.decide(&request).await.unwrap();
+        let served = outcome.destination().unwrap().to_string();
+        stream
+            .response_headers(200, Some(&served), Some(40.0))
+            .await
+            .unwrap();
+        stream.finish_with(answer.clone()).await.unwrap();
+    }
+    let ratio = state.engine_tokens.get();
+    assert!((0.49..0.52).contains(&ratio), "learnt ratio {ratio}");
+    let mut grown = state.prefix.capacity();
+    for _ in 0..100 {
+        if grown != sized_by_estimate {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        grown = state.prefix.capacity();
+    }
+    let doubled = grown as f64 / sized_by_estimate as f64;
+    assert!(
+        (1.9..2.1).contains(&doubled),
+        "{sized_by_estimate} -> {grown}"
+    );
+}
+
 /// A stream reports the engine's cached count at its end only when asked
 /// (`stream_options.include_usage`); one that will not is learnt at its
 /// first byte, not seconds later when it ends. A whole answer, and a stream

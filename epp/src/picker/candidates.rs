@@ -47,6 +47,9 @@ pub struct PrefixPrediction {
     pub block_size: Option<u32>,
     /// The prompt's tokens as precise mode tokenized it, if it did.
     pub prompt_tokens: Option<u64>,
+    /// The prompt's tokens as estimated (4 bytes a token), the approximate
+    /// index's unit.
+    pub estimated_prompt: u64,
 }
 
 impl CandidateSet {
@@ -116,6 +119,7 @@ impl CandidateSet {
                 source,
                 block_size,
                 prompt_tokens: tokenized,
+                estimated_prompt: request.prompt_tokens,
             };
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do

@@ -583,6 +583,12 @@ impl Router for Picker {
     fn usage(&self, ticket: &mut Ticket, usage: Usage) {
         // None after a fallback: the answer is another Pod's.
         let Some(prefix) = ticket.prefix else { return };
+        if let Some(prompt) = usage.prompt_tokens {
+            ticket
+                .state
+                .engine_tokens
+                .observe(prefix.estimated_prompt, prompt);
+        }
         if !ticket.usage_in_answer && usage.cached_tokens.is_some() {
             // Its next unasked streams wait for the count too.
             ticket.state.note_usage_unasked(true);

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::routed::RoutedPrefixes;
 use super::stats::{DestStats, StatsConfig};
+use super::token_ratio::TokenRatio;
 use super::ttft::EndpointTtft;
 use crate::kv_events::PodKvIndex;
 use crate::kv_events::index::DEFAULT_CAPACITY;
@@ -42,6 +43,8 @@ pub struct DestinationState {
     /// Prompts routed here in the last seconds (precise mode: what the
     /// events have not reported yet).
     pub routed: RoutedPrefixes,
+    /// Its engine's tokens per estimated token, from its answers.
+    pub engine_tokens: TokenRatio,
     /// Its engine ended a stream with token counts the request had not
     /// asked for (vLLM's `--enable-force-include-usage`).
     usage_unasked: AtomicBool,
@@ -65,6 +68,7 @@ impl DestinationState {
             ttft: EndpointTtft::default(),
             kv,
             routed: RoutedPrefixes::default(),
+            engine_tokens: TokenRatio::default(),
             usage_unasked: AtomicBool::new(false),
         })
     }
@@ -87,7 +91,14 @@ impl DestinationState {
             && blocks > 0
             && size > 0
         {
-            self.prefix.set_capacity(blocks_for_kv_cache(blocks, size));
+            let target = blocks_for_kv_cache(blocks, size, self.engine_tokens.get());
+            // The learnt ratio wobbles a little with every answer, and a
+            // cache shrunk below its contents is rebuilt: follow it only
+            // when it moved by more than a sixteenth.
+            let now = self.prefix.capacity();
+            if target.abs_diff(now) > now / 16 {
+                self.prefix.set_capacity(target);
+            }
             self.kv
                 .set_capacity(usize::try_from(blocks).unwrap_or(usize::MAX));
         }
@@ -101,5 +112,29 @@ impl std::fmt::Debug for DestinationState {
             .field("running", &self.stats.running())
             .field("prefix_blocks", &self.prefix.len())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_cache_follows_the_learnt_ratio_only_when_it_moved() {
+        let state = DestinationState::new(&DestinationConfig::default());
+        state.scraped(Some(1024), Some(16));
+        assert_eq!(state.prefix.capacity(), 1024);
+        // 3% fewer engine tokens: not worth a rebuild.
+        for _ in 0..100 {
+            state.engine_tokens.observe(1000, 970);
+        }
+        state.scraped(Some(1024), Some(16));
+        assert_eq!(state.prefix.capacity(), 1024);
+        // 0.62 as many (the simulator's dummy tokenizer): 1 / 0.62 the text.
+        for _ in 0..100 {
+            state.engine_tokens.observe(1000, 620);
+        }
+        state.scraped(Some(1024), Some(16));
+        assert_eq!(state.prefix.capacity(), 1651);
     }
 }

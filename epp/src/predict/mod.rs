@@ -19,6 +19,8 @@
 //!   next replica).
 //! - [`sample`]: [`TtftSample`], one served request's TTFT, learnt by the
 //!   model once the engine has said how much of the prompt it had cached.
+//! - [`token_ratio`]: [`TokenRatio`], the engine's tokens per estimated
+//!   token, which sizes the prefix cache like the engine's KV cache.
 //! - [`destination`]: [`DestinationState`], all of the above for one
 //!   destination, owned by the destination itself.
 
@@ -29,6 +31,7 @@ pub mod routed;
 pub mod sample;
 pub mod stats;
 pub(crate) mod sync;
+pub mod token_ratio;
 pub mod ttft;
 
 pub use destination::{DestinationConfig, DestinationState};
@@ -39,4 +42,5 @@ pub use prefix::{
 pub use routed::RoutedPrefixes;
 pub use sample::TtftSample;
 pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
+pub use token_ratio::TokenRatio;
 pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};

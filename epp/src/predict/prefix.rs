@@ -41,10 +41,21 @@ pub const TOKENS_PER_BLOCK: f64 = DEFAULT_BLOCK_CHARS as f64 / 4.0;
 
 /// Blocks of a [`PrefixCache`] that mirror a server's KV cache of
 /// `num_gpu_blocks` blocks of `block_size` tokens (vLLM `cache_config_info`),
-/// at least 1.
-pub fn blocks_for_kv_cache(num_gpu_blocks: u64, block_size: u32) -> usize {
+/// at least 1. `engine_tokens_per_estimated` is how many of the engine's
+/// tokens a block's [`TOKENS_PER_BLOCK`] estimated tokens make (see
+/// [`super::token_ratio`]): the cache holds that much less text.
+pub fn blocks_for_kv_cache(
+    num_gpu_blocks: u64,
+    block_size: u32,
+    engine_tokens_per_estimated: f64,
+) -> usize {
     let tokens = num_gpu_blocks.saturating_mul(u64::from(block_size)) as f64;
-    ((tokens / TOKENS_PER_BLOCK) as usize).clamp(1, 1 << 30)
+    let ratio = if engine_tokens_per_estimated > 0.0 {
+        engine_tokens_per_estimated
+    } else {
+        1.0
+    };
+    ((tokens / (TOKENS_PER_BLOCK * ratio)) as usize).clamp(1, 1 << 30)
 }
 
 /// Per-process random seed of the hash chain. Prompts are attacker-controlled;
@@ -491,10 +502,16 @@ mod tests {
     #[test]
     fn kv_cache_size_in_blocks() {
         // 384 vLLM blocks of 16 tokens = 6,144 tokens = 384 blocks of 16.
-        assert_eq!(blocks_for_kv_cache(384, 16), 384);
-        assert_eq!(blocks_for_kv_cache(1000, 64), 4000);
-        assert_eq!(blocks_for_kv_cache(0, 16), 1);
-        assert_eq!(blocks_for_kv_cache(u64::MAX, u32::MAX), 1 << 30);
+        assert_eq!(blocks_for_kv_cache(384, 16, 1.0), 384);
+        assert_eq!(blocks_for_kv_cache(1000, 64, 1.0), 4000);
+        assert_eq!(blocks_for_kv_cache(0, 16, 1.0), 1);
+        assert_eq!(blocks_for_kv_cache(u64::MAX, u32::MAX, 1.0), 1 << 30);
+        // An engine counting half as many tokens holds twice the text.
+        assert_eq!(blocks_for_kv_cache(384, 16, 0.5), 768);
+        assert_eq!(blocks_for_kv_cache(384, 16, 2.0), 192);
+        // No ratio is read as the estimate's own.
+        assert_eq!(blocks_for_kv_cache(384, 16, 0.0), 384);
+        assert_eq!(blocks_for_kv_cache(384, 16, f64::NAN), 384);
     }
 
     /// Brute-force reference: longest prefix by a linear scan until the first
