@@ -599,7 +599,12 @@ impl Router for Picker {
             // Learnt now, when dropped (with the engine's count when it had
             // a prompt).
             if let Some(mut sample) = ticket.sample.take() {
-                sample.engine_reported(prefix.prompt, prompt, reported);
+                sample.engine_reported(
+                    prefix.prompt,
+                    prompt,
+                    reported,
+                    ticket.state.engine_block(),
+                );
             }
             // As a share of the prompt: an estimate counts 4 bytes a token,
             // the engine its own tokens.

@@ -5,7 +5,7 @@
 //! with the destination and nothing outlives it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::routed::RoutedPrefixes;
@@ -45,6 +45,9 @@ pub struct DestinationState {
     pub routed: RoutedPrefixes,
     /// Its engine's tokens per estimated token, from its answers.
     pub engine_tokens: TokenRatio,
+    /// Its engine's KV-cache block size in tokens, as last scraped; 0 until
+    /// a scrape says.
+    engine_block: AtomicU32,
     /// Its engine ended a stream with token counts the request had not
     /// asked for (vLLM's `--enable-force-include-usage`).
     usage_unasked: AtomicBool,
@@ -69,8 +72,14 @@ impl DestinationState {
             kv,
             routed: RoutedPrefixes::default(),
             engine_tokens: TokenRatio::default(),
+            engine_block: AtomicU32::new(0),
             usage_unasked: AtomicBool::new(false),
         })
+    }
+
+    /// Its engine's KV-cache block size in tokens, once scraped.
+    pub fn engine_block(&self) -> Option<u32> {
+        Some(self.engine_block.load(Ordering::Relaxed)).filter(|&b| b > 0)
     }
 
     /// Whether its streams end with token counts even when not asked to.
@@ -91,6 +100,7 @@ impl DestinationState {
             && blocks > 0
             && size > 0
         {
+            self.engine_block.store(size, Ordering::Relaxed);
             let target = blocks_for_kv_cache(blocks, size, self.engine_tokens.get());
             // The learnt ratio wobbles a little with every answer, and a
             // cache shrunk below its contents is rebuilt: follow it only
