@@ -690,7 +690,7 @@ async fn the_prefix_index_holds_as_much_text_as_the_engines_cache() {
         "usage": { "prompt_tokens": estimated / 2 }
     }))
     .unwrap();
-    for _ in 0..60 {
+    for _ in 0..100 {
         let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
         let (outcome, mut stream) = h.client.decide(&request).await.unwrap();
         let served = outcome.destination().unwrap().to_string();

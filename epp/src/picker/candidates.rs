@@ -50,6 +50,8 @@ pub struct PrefixPrediction {
     /// The prompt's tokens as estimated (4 bytes a token), the approximate
     /// index's unit.
     pub estimated_prompt: u64,
+    /// A block of the approximate index, in the unit `prompt` counts in.
+    pub index_block: f64,
 }
 
 impl CandidateSet {
@@ -120,6 +122,7 @@ impl CandidateSet {
                 block_size,
                 prompt_tokens: tokenized,
                 estimated_prompt: request.prompt_tokens,
+                index_block: units.per_estimated_block,
             };
             let live = state.stats.snapshot(now);
             // Requests picked since the last scrape are load the metrics do

@@ -604,6 +604,7 @@ impl Router for Picker {
                     prompt,
                     reported,
                     ticket.state.engine_block(),
+                    prefix.index_block,
                 );
             }
             // As a share of the prompt: an estimate counts 4 bytes a token,

@@ -5,7 +5,7 @@
 //! with the destination and nothing outlives it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::routed::RoutedPrefixes;
@@ -45,9 +45,10 @@ pub struct DestinationState {
     pub routed: RoutedPrefixes,
     /// Its engine's tokens per estimated token, from its answers.
     pub engine_tokens: TokenRatio,
-    /// Its engine's KV-cache block size in tokens, as last scraped; 0 until
-    /// a scrape says.
+    /// Its engine's KV-cache block size in tokens and its number of blocks,
+    /// as last scraped; 0 until a scrape says.
     engine_block: AtomicU32,
+    engine_blocks: AtomicU64,
     /// Its engine ended a stream with token counts the request had not
     /// asked for (vLLM's `--enable-force-include-usage`).
     usage_unasked: AtomicBool,
@@ -73,6 +74,7 @@ impl DestinationState {
             routed: RoutedPrefixes::default(),
             engine_tokens: TokenRatio::default(),
             engine_block: AtomicU32::new(0),
+            engine_blocks: AtomicU64::new(0),
             usage_unasked: AtomicBool::new(false),
         })
     }
@@ -100,13 +102,15 @@ impl DestinationState {
             && blocks > 0
             && size > 0
         {
-            self.engine_block.store(size, Ordering::Relaxed);
+            let new_size = self.engine_block.swap(size, Ordering::Relaxed) != size;
+            let new_count = self.engine_blocks.swap(blocks, Ordering::Relaxed) != blocks;
             let target = blocks_for_kv_cache(blocks, size, self.engine_tokens.get());
-            // The learnt ratio wobbles a little with every answer, and a
-            // cache shrunk below its contents is rebuilt: follow it only
-            // when it moved by more than a sixteenth.
+            // A new cache is followed at once. The learnt ratio wobbles a
+            // little with answers, and a cache shrunk below its contents is
+            // rebuilt: it is followed when it moved the size by more than a
+            // sixteenth.
             let now = self.prefix.capacity();
-            if target.abs_diff(now) > now / 16 {
+            if new_size || new_count || target.abs_diff(now) > now / 16 {
                 self.prefix.set_capacity(target);
             }
             self.kv
@@ -145,6 +149,17 @@ mod tests {
             state.engine_tokens.observe(1000, 620);
         }
         state.scraped(Some(1024), Some(16));
-        assert_eq!(state.prefix.capacity(), 1651);
+        let coarse = state.prefix.capacity();
+        assert!((1640..1660).contains(&coarse), "{coarse}");
+        // A cache 2% larger is a new cache: followed at once.
+        state.scraped(Some(1044), Some(16));
+        assert!(state.prefix.capacity() > coarse);
+    }
+
+    #[test]
+    fn a_first_scrape_near_the_default_size_is_followed() {
+        let state = DestinationState::new(&DestinationConfig::default());
+        state.scraped(Some(16_000), Some(16));
+        assert_eq!(state.prefix.capacity(), 16_000);
     }
 }

@@ -42,8 +42,8 @@ pub const TOKENS_PER_BLOCK: f64 = DEFAULT_BLOCK_CHARS as f64 / 4.0;
 /// Blocks of a [`PrefixCache`] that mirror a server's KV cache of
 /// `num_gpu_blocks` blocks of `block_size` tokens (vLLM `cache_config_info`),
 /// at least 1. `engine_tokens_per_estimated` is how many of the engine's
-/// tokens a block's [`TOKENS_PER_BLOCK`] estimated tokens make (see
-/// [`super::token_ratio`]): the cache holds that much less text.
+/// tokens one estimated token makes (see [`super::token_ratio`]): a cache
+/// of a given number of engine tokens holds that much less text.
 pub fn blocks_for_kv_cache(
     num_gpu_blocks: u64,
     block_size: u32,

@@ -14,8 +14,9 @@
 //! The engine reports the truth (`usage.prompt_tokens_details.cached_tokens`)
 //! at the end of its answer, after the first byte. So the sample waits: it
 //! is learnt once, when the count comes or when dropped, with the engine's
-//! count if one came and was more than a block away from the guess (see
-//! [`TtftSample::engine_reported`]), and with the guess otherwise (an engine that reports
+//! count if one came and was further from the guess than the two blocks'
+//! tails explain (see [`TtftSample::engine_reported`]), and with the guess
+//! otherwise (an engine that reports
 //! none, a client that went away). A stream that will not report (one that
 //! did not ask, `stream_options.include_usage`, to an engine that reports
 //! only when asked) is learnt at its first byte: waiting for its end, often
@@ -52,31 +53,35 @@ impl TtftSample {
     /// its cache, in blocks of `engine_block` tokens if known. The features
     /// count in the decision's unit (`prompt` long: estimated tokens, or the
     /// tokenizer's in precise mode), so the engine's count enters as a share
-    /// of the prompt.
+    /// of the prompt. `index_block` is a block of the index that guessed, in
+    /// that unit.
     ///
-    /// A count within one engine block of the guess keeps the guess. They
-    /// then differ only in where the prompt's last block ends: the engine
-    /// prefills the tokens past its last whole block, which the estimate,
-    /// cutting the prompt's bytes into blocks of its own, cannot know.
-    /// Learnt with the engine's tail and predicted with the estimate's, the
-    /// model put three quarters of the benchmark's predictions too low;
-    /// learnt with the guess, its base carries the tail's mean.
+    /// A count within one engine block and one index block of the guess
+    /// keeps the guess. They then differ only in where each one's last whole
+    /// block ends: the engine prefills the 1 to `engine_block` tokens past
+    /// its own, which the estimate, cutting the prompt's bytes into blocks
+    /// of its own, cannot know. Learnt with the engine's tail and predicted
+    /// with the estimate's, the model put three quarters of the benchmark's
+    /// predictions too low; learnt with the guess, its base carries the
+    /// tail's mean.
     pub fn engine_reported(
         &mut self,
         prompt: f64,
         engine_prompt: u64,
         engine_cached: u64,
         engine_block: Option<u32>,
+        index_block: f64,
     ) {
         if engine_prompt == 0 || !(prompt.is_finite() && prompt >= 0.0) {
             return;
         }
         let per_engine_token = prompt / engine_prompt as f64;
         let uncached = engine_prompt.saturating_sub(engine_cached) as f64 * per_engine_token;
-        let within_a_block = engine_block.is_some_and(|b| {
-            (uncached - self.features.uncached_tokens).abs() < f64::from(b) * per_engine_token
+        let within_the_tails = engine_block.is_some_and(|b| {
+            let tails = f64::from(b) * per_engine_token + index_block.max(0.0);
+            (uncached - self.features.uncached_tokens).abs() <= tails
         });
-        if !within_a_block {
+        if !within_the_tails {
             self.features.uncached_tokens = uncached;
         }
     }
@@ -118,34 +123,41 @@ mod tests {
         let mut s = sample(&model, &state);
         // The engine had a quarter of its 1,000 tokens: three quarters of
         // the decision's 2,000 were prefilled.
-        s.engine_reported(2000.0, 1000, 250, Some(16));
+        s.engine_reported(2000.0, 1000, 250, Some(16), 16.0);
         assert_eq!(s.features().uncached_tokens, 1500.0);
         // More cached than prompt is read as all of it.
-        s.engine_reported(2000.0, 1000, 4000, None);
+        s.engine_reported(2000.0, 1000, 4000, None, 16.0);
         assert_eq!(s.features().uncached_tokens, 0.0);
         // No prompt count: the guess stays.
         let mut guessed = sample(&model, &state);
-        guessed.engine_reported(2000.0, 0, 0, Some(16));
+        guessed.engine_reported(2000.0, 0, 0, Some(16), 16.0);
         assert_eq!(guessed.features().uncached_tokens, 0.0);
     }
 
     #[test]
-    fn a_count_within_one_engine_block_of_the_guess_keeps_the_guess() {
+    fn a_count_within_the_blocks_tails_of_the_guess_keeps_the_guess() {
         let model = Arc::new(TtftPredictor::new(Default::default()));
         let state = DestinationState::new(&DestinationConfig::default());
-        // The engine prefilled its last 10 tokens (20 of the decision's):
-        // where its last block of 16 ends, not a prefix the index got wrong.
-        let mut tail = sample(&model, &state);
-        tail.engine_reported(2000.0, 1000, 990, Some(16));
-        assert_eq!(tail.features().uncached_tokens, 0.0);
-        // 20 tokens, more than a block: the engine's count.
-        let mut missed = sample(&model, &state);
-        missed.engine_reported(2000.0, 1000, 980, Some(16));
-        assert_eq!(missed.features().uncached_tokens, 40.0);
+        let reported = |engine_cached: u64, engine_block: Option<u32>, index_block: f64| {
+            // Guessed fully cached: 2,000 tokens, all of them in the index.
+            let mut s = sample(&model, &state);
+            s.engine_reported(2000.0, 1000, engine_cached, engine_block, index_block);
+            s.features().uncached_tokens
+        };
+        // The engine prefilled its last 16 tokens, a whole block of 16 (32
+        // of the decision's), exactly as far as its tail may reach: kept.
+        assert_eq!(reported(984, Some(16), 0.0), 0.0);
+        // 17 tokens (34): more than its tail, unless the index's own block
+        // (16 of the decision's) explains the rest.
+        assert_eq!(reported(983, Some(16), 0.0), 34.0);
+        assert_eq!(reported(983, Some(16), 16.0), 0.0);
+        // An engine with two tokens per estimated one (CJK text): its block
+        // of 16 is 8 of the decision's, and the index's 16 still count.
+        let mut fine = sample(&model, &state);
+        fine.engine_reported(1000.0, 2000, 1990, Some(16), 16.0);
+        assert_eq!(fine.features().uncached_tokens, 0.0);
         // No block size known: the engine's count.
-        let mut unknown = sample(&model, &state);
-        unknown.engine_reported(2000.0, 1000, 990, None);
-        assert_eq!(unknown.features().uncached_tokens, 20.0);
+        assert_eq!(reported(990, None, 16.0), 20.0);
     }
 
     #[test]
