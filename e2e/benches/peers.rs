@@ -1707,11 +1707,10 @@ impl Bench {
                 )
                 .await;
                 let after = predictions(&self.http, path.epp.as_ref()).await;
-                let (predictions_within_25, events_agree) = before
-                    .zip(after)
-                    .map_or((None, None), |(b, a)| Predictions::shares(b, a));
-                let over = before
-                    .zip(after)
+                let counted = before.zip(after);
+                let (predictions_within_25, events_agree) =
+                    counted.map_or((None, None), |(b, a)| Predictions::shares(b, a));
+                let over = counted
                     .and_then(|(b, a)| Predictions::over_share(b, a))
                     .map_or(String::new(), |o| {
                         format!(", TTFT predictions too high {:.0}%", o * 100.0)

@@ -100,6 +100,18 @@ async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
 }
 
 impl Harness {
+    /// Decides `request` and answers it from the endpoint picked: the first
+    /// byte after `ttft_ms`, then `body`, the whole answer.
+    async fn serve(&self, request: &HttpRequest, ttft_ms: f64, body: Vec<u8>) {
+        let (outcome, mut stream) = self.client.decide(request).await.unwrap();
+        let served = outcome.destination().unwrap().to_string();
+        stream
+            .response_headers(200, Some(&served), Some(ttft_ms))
+            .await
+            .unwrap();
+        stream.finish_with(body).await.unwrap();
+    }
+
     async fn wait_for_metrics(&self) {
         assert!(
             self.epp
@@ -639,18 +651,10 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
         "choices": [],
         "usage": { "prompt_tokens": 1500, "prompt_tokens_details": { "cached_tokens": 0 } }
     });
+    let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
     for _ in 0..40 {
-        let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
-        let (outcome, mut stream) = h.client.decide(&request).await.unwrap();
-        let served = outcome.destination().unwrap().to_string();
-        stream
-            .response_headers(200, Some(&served), Some(800.0))
-            .await
-            .unwrap();
-        stream
-            .finish_with(serde_json::to_vec(&evicted).unwrap())
-            .await
-            .unwrap();
+        h.serve(&request, 800.0, serde_json::to_vec(&evicted).unwrap())
+            .await;
     }
     let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
     let model = &h.epp.picker.ttft;
@@ -690,15 +694,9 @@ async fn the_prefix_index_holds_as_much_text_as_the_engines_cache() {
         "usage": { "prompt_tokens": estimated / 2 }
     }))
     .unwrap();
+    let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
     for _ in 0..100 {
-        let request = HttpRequest::post("/v1/chat/completions", chat("qwen", &prompt));
-        let (outcome, mut stream) = h.client.decide(&request).await.unwrap();
-        let served = outcome.destination().unwrap().to_string();
-        stream
-            .response_headers(200, Some(&served), Some(40.0))
-            .await
-            .unwrap();
-        stream.finish_with(answer.clone()).await.unwrap();
+        h.serve(&request, 40.0, answer.clone()).await;
     }
     let ratio = state.engine_tokens.get();
     assert!((0.49..0.52).contains(&ratio), "learnt ratio {ratio}");
