@@ -846,14 +846,78 @@ async fn send(http: &HttpClient, url: &str, body: &Arc<Vec<u8>>) -> Result<Answe
 struct Outcomes {
     tally: Tally,
     first_bytes: Vec<Duration>,
-    /// Simulator → requests.
-    served: BTreeMap<String, u64>,
-    /// Shared-prefix group → the simulators that served it.
-    group_servers: BTreeMap<usize, BTreeSet<String>>,
+    /// Simulator → what it served.
+    served: BTreeMap<String, Served>,
     /// Prompt tokens of the answers that reported usage, and how many of
     /// them the simulators had cached.
     prompt_tokens: u64,
     cached_tokens: u64,
+}
+
+/// What one simulator served in a phase.
+#[derive(Default)]
+struct Served {
+    first_bytes: Vec<Duration>,
+    /// Prompt tokens the engine prefilled, per answer that reported usage.
+    uncached: Vec<u64>,
+    /// Shared-prefix group → its requests here.
+    groups: BTreeMap<usize, GroupServed>,
+}
+
+/// One shared-prefix group's requests on one simulator.
+#[derive(Default)]
+struct GroupServed {
+    requests: u64,
+    /// Prompt tokens the engine prefilled, per answer that reported usage.
+    uncached: Vec<u64>,
+}
+
+impl Served {
+    fn merge(&mut self, other: Served) {
+        self.first_bytes.extend(other.first_bytes);
+        self.uncached.extend(other.uncached);
+        for (g, o) in other.groups {
+            let mine = self.groups.entry(g).or_default();
+            mine.requests += o.requests;
+            mine.uncached.extend(o.uncached);
+        }
+    }
+
+    /// `142 req, TTFT p90 28 ms, prefilled p50/p90 9/41 tokens, groups
+    /// 1×53 (p90 41) 3×48 (p90 12)`: where a phase's time went, to tell
+    /// queueing from prefill (a partly evicted prefix, questions the
+    /// engine no longer holds), and which group paid it.
+    fn summary(&self) -> String {
+        let mut first = self.first_bytes.clone();
+        first.sort_unstable();
+        let groups = self
+            .groups
+            .iter()
+            .map(|(g, o)| {
+                format!(
+                    "{g}×{} (p90 {})",
+                    o.requests,
+                    token_quantile(&o.uncached, 0.9)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        format!(
+            "{} req, TTFT p90 {:.0} ms, prefilled p50/p90 {}/{} tokens, groups {groups}",
+            first.len(),
+            ms(quantile(&first, 0.9)),
+            token_quantile(&self.uncached, 0.5),
+            token_quantile(&self.uncached, 0.9)
+        )
+    }
+}
+
+/// The `q` quantile of token counts, `-` when there are none.
+fn token_quantile(tokens: &[u64], q: f64) -> String {
+    let mut sorted = tokens.to_vec();
+    sorted.sort_unstable();
+    let i = ((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1);
+    sorted.get(i).map_or("-".to_string(), u64::to_string)
 }
 
 impl Outcome for Outcomes {
@@ -865,10 +929,7 @@ impl Outcome for Outcomes {
         self.tally.merge(other.tally);
         self.first_bytes.extend(other.first_bytes);
         for (k, v) in other.served {
-            *self.served.entry(k).or_default() += v;
-        }
-        for (g, servers) in other.group_servers {
-            self.group_servers.entry(g).or_default().extend(servers);
+            self.served.entry(k).or_default().merge(v);
         }
         self.prompt_tokens += other.prompt_tokens;
         self.cached_tokens += other.cached_tokens;
@@ -886,13 +947,17 @@ impl Outcomes {
                     self.prompt_tokens += u.prompt_tokens;
                     self.cached_tokens += u.cached_tokens;
                 }
+                let served = self.served.entry(a.server).or_default();
+                served.first_bytes.push(a.first_byte);
+                let uncached = a
+                    .usage
+                    .map(|u| u.prompt_tokens.saturating_sub(u.cached_tokens));
+                served.uncached.extend(uncached);
                 if let Some(g) = group {
-                    self.group_servers
-                        .entry(g)
-                        .or_default()
-                        .insert(a.server.clone());
+                    let group = served.groups.entry(g).or_default();
+                    group.requests += 1;
+                    group.uncached.extend(uncached);
                 }
-                *self.served.entry(a.server).or_default() += 1;
             }
             Err(e) => self.tally.error(e),
         }
@@ -907,8 +972,13 @@ impl Outcomes {
     /// How many simulators served each shared-prefix group, on average:
     /// 1 keeps every group's prefix in one cache.
     fn pods_per_group(&self) -> Option<f64> {
-        let groups = self.group_servers.len();
-        let pods: usize = self.group_servers.values().map(BTreeSet::len).sum();
+        let pods: usize = self.served.values().map(|s| s.groups.len()).sum();
+        let groups = self
+            .served
+            .values()
+            .flat_map(|s| s.groups.keys())
+            .collect::<BTreeSet<_>>()
+            .len();
         (groups > 0).then(|| pods as f64 / groups as f64)
     }
 }
@@ -1717,6 +1787,9 @@ impl Bench {
                     });
                 let phase = format!("{} {rate:.0}/s", workload.label);
                 eprintln!("[peers] {} {phase}: {}{over}", contender.name, brief(&m));
+                for (server, served) in &m.out.served {
+                    eprintln!("[peers]   {server}: {}", served.summary());
+                }
                 report.rows.push(Row {
                     contender: contender.name,
                     phase,
@@ -1770,7 +1843,7 @@ fn served(m: &Measured) -> String {
     m.out
         .served
         .iter()
-        .map(|(k, v)| format!("{}:{v}", k.trim_start_matches("sim-")))
+        .map(|(k, v)| format!("{}:{}", k.trim_start_matches("sim-"), v.first_bytes.len()))
         .collect::<Vec<_>>()
         .join(" ")
 }
