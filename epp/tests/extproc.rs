@@ -900,7 +900,7 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
 async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time() {
     let (busy, idle) = (BUSY, IDLE);
     let route = "route: { select: [{ minimize: PredictedTTFT }] }";
-    let seen = queued_prefix_case(route).await;
+    let seen = queued_prefix_case(route, None).await;
     assert_eq!(
         seen.untrained_group, busy,
         "no replica is paid for against the prior's guess of a queue"
@@ -922,10 +922,33 @@ async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_ti
 #[tokio::test]
 async fn a_policy_that_bounds_predicted_ttft_prices_each_request_alone() {
     let route = "route:\n      exclude: [{ drop: { PredictedTTFT: { greaterThan: 30s } } }]\n      select: [{ minimize: PredictedTTFT }]";
-    let seen = queued_prefix_case(route).await;
+    let seen = queued_prefix_case(route, None).await;
     assert_eq!(seen.group, BUSY, "the group stays with its prefix");
     assert_eq!(seen.other_group, BUSY);
     assert_eq!(seen.seeds, 0);
+}
+
+/// The same group, but the idle Pod's cache is full of two other
+/// prompts: the replica's blocks would push them out. Prompts that were
+/// sent again will be prefilled again by their next requests, and that
+/// costs more than the queue: the group stays. Prompts nobody sent again
+/// cost nothing to evict: the group spreads.
+#[tokio::test]
+async fn a_replica_is_not_seeded_where_it_would_evict_reused_prefixes() {
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let reused = queued_prefix_case(route, Some(IdleCache { sends: 2 })).await;
+    assert_eq!(reused.group, BUSY, "the idle Pod's prefixes were reused");
+    assert_eq!(reused.seeds, 0);
+    let one_off = queued_prefix_case(route, Some(IdleCache { sends: 1 })).await;
+    assert_eq!(one_off.group, IDLE, "nobody sent the idle Pod's again");
+    assert_eq!(one_off.seeds, 1);
+}
+
+/// The idle Pod of [`queued_prefix_case`] with a KV cache of 8,000 tokens
+/// (500 blocks of the prefix index), filled by two prompts of 250 blocks
+/// each sent `sends` times.
+struct IdleCache {
+    sends: usize,
 }
 
 const BUSY: &str = "10.0.0.1:8000";
@@ -941,8 +964,8 @@ struct QueuedPrefixCase {
 }
 
 /// One rule with `route`, two Pods: [`BUSY`] holds the prefixes and has two
-/// requests waiting, [`IDLE`] holds none.
-async fn queued_prefix_case(route: &str) -> QueuedPrefixCase {
+/// requests waiting, [`IDLE`] holds none, or `idle_cache`'s.
+async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> QueuedPrefixCase {
     use kinference_epp::endpoints::ScrapedMetrics;
     let epp = Epp::new(Settings {
         scrape_interval: Duration::from_secs(60),
@@ -963,10 +986,14 @@ async fn queued_prefix_case(route: &str) -> QueuedPrefixCase {
             } else {
                 0.0
             };
-            let m = ScrapedMetrics {
+            let mut m = ScrapedMetrics {
                 waiting,
                 ..ScrapedMetrics::empty(std::time::Instant::now())
             };
+            if ep.address() == idle && idle_cache.is_some() {
+                m.num_gpu_blocks = Some(500);
+                m.block_size = Some(16);
+            }
             epp.registry().set_metrics(&ep.name, m);
         }
     };
@@ -1025,6 +1052,23 @@ async fn queued_prefix_case(route: &str) -> QueuedPrefixCase {
                 .unwrap();
             stream.finish().await.unwrap();
         }
+    }
+    if let Some(cache) = &idle_cache {
+        for filler in ["One old prompt. ", "Another old one. "] {
+            for _ in 0..cache.sends {
+                let system = filler.repeat(1_000);
+                assert_eq!(ask(system, 0, Some(idle)).await, idle);
+            }
+        }
+        // The index records a route beside its reply.
+        let state = epp.registry().state_at(idle).unwrap();
+        for _ in 0..100 {
+            if state.prefix.len() == 500 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(state.prefix.len(), 500, "the idle Pod's cache is full");
     }
     scrape(2.0);
     let lonely = ask(lonely, 1, None).await;

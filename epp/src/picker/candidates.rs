@@ -291,11 +291,12 @@ impl CandidateSet {
 impl CandidateSet {
     /// A local candidate that lacks part of the prefix the best-cached one
     /// of its model holds is priced with that part's prefill divided among
-    /// the recent requests that shared it (`predict::reuse`): a hot group
-    /// spreads once its Pod's queue costs more than its share of a new
-    /// replica. Only for a policy that ranks by `PredictedTTFT` and bounds
-    /// it nowhere: an SLO on the request's own TTFT must see its full
-    /// prefill.
+    /// the recent requests that shared it (`predict::reuse`), plus the
+    /// prefill of the reused blocks its cache would evict for it: a hot
+    /// group spreads once its Pod's queue costs more than its share of a
+    /// new replica, onto a Pod with room for it. Only for a policy that
+    /// ranks by `PredictedTTFT` and bounds it nowhere: an SLO on the
+    /// request's own TTFT must see its full prefill.
     fn share_replica_prefills(
         &mut self,
         picker: &Picker,
@@ -348,7 +349,10 @@ impl CandidateSet {
             };
             let at_best = picker.ttft.predict(&self.states[i].ttft, &as_best);
             let reusers = reuse::reusers(shared, prefix.cached_tokens, best);
-            let price = reuse::amortized(predicted, at_best, reusers);
+            let evicted = units.of_estimate(self.states[i].prefix.reused_evictions(hashes));
+            let gap = best - prefix.cached_tokens;
+            let price = reuse::amortized(predicted, at_best, reusers)
+                + reuse::eviction_cost(predicted, at_best, gap, evicted);
             if price < predicted {
                 self.candidates[i].metrics.predicted_ttft = Some(price);
                 self.seeds.push(i);

@@ -129,6 +129,11 @@ struct Node {
 struct BlockLru {
     slots: Vec<u32>,
     nodes: Vec<Node>,
+    /// Per node: whether a request reused the block after the one that
+    /// stored it. A block one prompt brought and nobody sent again (a
+    /// user's own question) costs nothing to evict; a reused one will be
+    /// prefilled again by its next reuser.
+    reused: Vec<bool>,
     /// Most recently used.
     head: u32,
     /// Least recently used.
@@ -141,6 +146,7 @@ impl BlockLru {
         Self {
             slots: Vec::new(),
             nodes: Vec::new(),
+            reused: Vec::new(),
             head: NIL,
             tail: NIL,
             // Node indices are u32 with NIL reserved, and the table needs
@@ -261,6 +267,7 @@ impl BlockLru {
     /// recently used block if full).
     fn touch(&mut self, h: u64) {
         if let Some((_, i)) = self.find(h) {
+            self.reused[i as usize] = true;
             if self.head != i {
                 self.unlink(i);
                 self.push_front(i);
@@ -277,6 +284,7 @@ impl BlockLru {
                 prev: NIL,
                 next: NIL,
             });
+            self.reused.push(false);
             (self.nodes.len() - 1) as u32
         } else {
             // Reuse the least recently used node for the new block.
@@ -286,6 +294,7 @@ impl BlockLru {
                 self.remove_slot(s);
             }
             self.nodes[i as usize].hash = h;
+            self.reused[i as usize] = false;
             i
         };
         self.insert_slot(i);
@@ -300,16 +309,33 @@ impl BlockLru {
             let mut keep = Vec::with_capacity(cap);
             let mut i = self.head;
             while i != NIL && keep.len() < cap {
-                keep.push(self.nodes[i as usize].hash);
+                keep.push((self.nodes[i as usize].hash, self.reused[i as usize]));
                 i = self.nodes[i as usize].next;
             }
             *self = Self::new(cap);
             // Re-insert oldest first so the most recent ends up at the head.
-            for &h in keep.iter().rev() {
+            for &(h, reused) in keep.iter().rev() {
                 self.touch(h);
+                self.reused[self.head as usize] = reused;
             }
         }
         self.cap = cap;
+    }
+
+    /// How many reused blocks storing `new` more blocks would evict: the
+    /// least recently used ones beyond the free room, walked from the tail.
+    fn reused_evictions(&self, new: usize) -> usize {
+        let evicted = (self.nodes.len() + new).saturating_sub(self.cap);
+        let mut i = self.tail;
+        let mut reused = 0;
+        for _ in 0..evicted {
+            if i == NIL {
+                break;
+            }
+            reused += usize::from(self.reused[i as usize]);
+            i = self.nodes[i as usize].prev;
+        }
+        reused
     }
 
     /// Length of the longest prefix of `hashes` present. Relies on prefix
@@ -357,8 +383,9 @@ pub(super) fn leading_run(n: usize, holds: impl Fn(usize) -> bool) -> usize {
 /// candidates × 3,500 blocks cost ~200 × 12 hash probes instead of one probe
 /// per (block, endpoint).
 ///
-/// Memory: 24–32 bytes per tracked block (16 B LRU node + 8–16 B of table),
-/// ~384 KiB for a full endpoint at [`DEFAULT_BLOCKS_PER_ENDPOINT`].
+/// Memory: 25–33 bytes per tracked block (16 B LRU node, its reused flag,
+/// 8–16 B of table), ~400 KiB for a full endpoint at
+/// [`DEFAULT_BLOCKS_PER_ENDPOINT`].
 pub struct PrefixCache {
     lru: Mutex<BlockLru>,
 }
@@ -389,6 +416,16 @@ impl PrefixCache {
         for &h in hashes.iter().rev() {
             lru.touch(h);
         }
+    }
+
+    /// How many blocks that requests reused would make room for the blocks
+    /// of `hashes` not held here yet: what storing this prompt costs the
+    /// prompts already here (`predict::reuse`). At most [`MAX_BLOCKS`]
+    /// steps, since `hashes` has at most that many blocks.
+    pub fn reused_evictions(&self, hashes: &[u64]) -> usize {
+        let lru = lock(&self.lru);
+        let new = hashes.len() - lru.longest_prefix(hashes);
+        lru.reused_evictions(new)
     }
 
     /// Resizes to `capacity_blocks` (the server's real cache size); shrinking
@@ -556,7 +593,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(11);
         for cap in [1usize, 2, 7, 64, 300] {
             let mut lru = BlockLru::new(cap);
-            let mut model: Vec<u64> = Vec::new(); // most recent first
+            let mut model: Vec<(u64, bool)> = Vec::new(); // most recent first, reused
             for step in 0..20_000 {
                 let k = match rng.random_range(0..3) {
                     0 => rng.random_range(0..(cap as u64 * 3)) << 32, // low bits all 0
@@ -564,10 +601,14 @@ mod tests {
                     _ => rng.random_range(0..(cap as u64 * 2 + 5)),
                 };
                 lru.touch(k);
-                if let Some(p) = model.iter().position(|&m| m == k) {
-                    model.remove(p);
-                }
-                model.insert(0, k);
+                let reused = match model.iter().position(|&(m, _)| m == k) {
+                    Some(p) => {
+                        model.remove(p);
+                        true
+                    }
+                    None => false,
+                };
+                model.insert(0, (k, reused));
                 model.truncate(cap);
                 if step % 97 == 0 {
                     assert_eq!(lru.len(), model.len());
@@ -575,15 +616,23 @@ mod tests {
                     let mut order = Vec::new();
                     let mut i = lru.head;
                     while i != NIL {
-                        order.push(lru.nodes[i as usize].hash);
+                        order.push((lru.nodes[i as usize].hash, lru.reused[i as usize]));
                         i = lru.nodes[i as usize].next;
                     }
                     assert_eq!(order, model, "cap {cap} step {step}");
-                    assert!(model.iter().all(|&m| lru.contains(m)));
+                    assert!(model.iter().all(|&(m, _)| lru.contains(m)));
+                    // Evicting n blocks takes the n oldest, reused or not.
+                    let n = rng.random_range(0..=cap);
+                    let room = cap - model.len();
+                    let oldest = model.iter().rev().take(n.saturating_sub(room));
+                    assert_eq!(
+                        lru.reused_evictions(n),
+                        oldest.filter(|&&(_, reused)| reused).count()
+                    );
                     assert_eq!(lru.slots.iter().filter(|&&v| v != NIL).count(), model.len());
                 }
                 let probe = rng.random_range(0..(cap as u64 * 3)) << 32;
-                assert_eq!(lru.contains(probe), model.contains(&probe));
+                assert_eq!(lru.contains(probe), model.iter().any(|&(m, _)| m == probe));
             }
         }
     }
@@ -610,6 +659,36 @@ mod tests {
         assert_eq!(e.cached_blocks(&b), 0);
         e.record(&b);
         assert_eq!(e.len(), 0);
+    }
+
+    #[test]
+    fn storing_a_prompt_evicts_the_reused_blocks_past_the_free_room() {
+        let e = PrefixCache::new(20);
+        let shared = hashes(&text(1, 64 * 8));
+        let one_off = hashes(&text(2, 64 * 6));
+        e.record(&shared);
+        e.record(&shared);
+        e.record(&one_off);
+        // 14 of 20 blocks held; `shared`'s 8, sent twice, are the oldest.
+        let new = hashes(&text(3, 64 * 6));
+        assert_eq!(e.reused_evictions(&new), 0, "6 new blocks fit in the room");
+        let longer = hashes(&text(3, 64 * 10));
+        assert_eq!(
+            e.reused_evictions(&longer),
+            4,
+            "10 new blocks push out 4 of the oldest, all reused"
+        );
+        // Refreshed, `shared` is younger than `one_off`, which goes first
+        // and cost nobody anything.
+        e.record(&shared);
+        assert_eq!(e.reused_evictions(&longer), 0);
+        let longest = hashes(&text(3, 64 * 16));
+        assert_eq!(e.reused_evictions(&longest), 4);
+        // A prompt already held needs no room.
+        assert_eq!(e.reused_evictions(&shared), 0);
+        // A shrink keeps the flags of the blocks it keeps.
+        e.set_capacity(8);
+        assert_eq!(e.reused_evictions(&new), 6);
     }
 
     #[test]

@@ -24,6 +24,12 @@
 //! replica per [`SEED_INTERVAL`] (requests decided at the same moment may
 //! seed together). The route memory and the gate are each EPP process's
 //! own: with several EPP Pods, each counts the reusers it routed.
+//!
+//! A replica also costs the Pod it lands on: its blocks push out the
+//! least recently used ones, and those that requests reused will be
+//! prefilled again ([`eviction_cost`], counted by the Pod's prefix index).
+//! Unpriced, replicas of a hot group landed on a Pod already holding three
+//! other groups and slowed all of them.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -77,6 +83,22 @@ pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
         .sum()
 }
 
+/// What storing a replica costs the prompts it pushes out of the Pod's
+/// cache: each evicted token that requests reused is prefilled again by
+/// its next reuser, at the per-token cost the replica's own prefill has
+/// (`predicted − at_best` for `gap` tokens). A replica seeded on a Pod
+/// whose cache is full of other groups' reused prefixes evicted them and
+/// slowed all of those groups (BENCHMARKS, issue 14); on a Pod with room,
+/// or with only prompts nobody sent again, it costs nothing.
+pub fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f64 {
+    let per_token = (predicted - at_best).max(0.0) / gap;
+    if per_token.is_finite() {
+        per_token * evicted.max(0.0)
+    } else {
+        0.0
+    }
+}
+
 /// A candidate's predicted TTFT with the prefill it needs beyond the
 /// best-cached candidate's divided among that prefix's `reusers` and this
 /// request: `at_best` is its prediction had it held the best's prefix.
@@ -115,6 +137,15 @@ mod tests {
         assert_eq!(reusers(&[1_000.0], 1_000.0, 1_000.0), 0.0);
         assert_eq!(reusers(&[1_000.0], 1_000.0, 500.0), 0.0);
         assert_eq!(reusers(&[1_000.0], f64::NAN, 500.0), 0.0);
+    }
+
+    #[test]
+    fn each_evicted_reused_token_costs_a_prefilled_tokens_time() {
+        // 1.5 s for a 6,000-token gap: 0.25 ms a token.
+        assert!((eviction_cost(1.53, 0.03, 6_000.0, 2_000.0) - 0.5).abs() < 1e-12);
+        assert_eq!(eviction_cost(1.53, 0.03, 6_000.0, 0.0), 0.0);
+        assert_eq!(eviction_cost(1.53, 0.03, 0.0, 100.0), 0.0, "no gap");
+        assert_eq!(eviction_cost(0.02, 0.03, 6_000.0, 100.0), 0.0);
     }
 
     #[test]
