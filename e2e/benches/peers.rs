@@ -187,6 +187,12 @@ struct Args {
     /// configured alike, to check that ours does not flatter anyone.
     #[arg(long, value_enum, default_value_t = Simulator::Ours)]
     simulator: Simulator,
+    /// llm-d-inference-sim's `--max-model-len`: room for the 220 KB prompts
+    /// (about 33,000 of its tokens), and no more. v0.10.2 allocates a
+    /// response channel of that many slots for every request (8 MB at a
+    /// million), whose zeroing and GC scans load the busiest simulator most.
+    #[arg(long, default_value_t = 65_536)]
+    llmd_max_model_len: u32,
     /// The Poisson rates of workload (c), requests per second (default:
     /// 8,16,24 in full mode).
     #[arg(long, value_delimiter = ',')]
@@ -559,6 +565,7 @@ impl Sims {
         bin: &Path,
         pods: usize,
         port: u16,
+        max_model_len: u32,
         events: Option<SocketAddr>,
     ) -> Result<Sims> {
         let mut peers = Vec::with_capacity(pods);
@@ -567,7 +574,8 @@ impl Sims {
             let own = free_port()?;
             let child = Command::new(bin)
                 .args(["--port", &own.to_string(), "--model", MODEL])
-                .args(["--max-num-seqs", "4", "--max-model-len", "1000000"])
+                .args(["--max-num-seqs", "4"])
+                .args(["--max-model-len", &max_model_len.to_string()])
                 .args([
                     "--prefill-overhead",
                     "5ms",
@@ -1629,7 +1637,8 @@ impl Bench {
                 let events = contender
                     .kv_events
                     .map(|_| SocketAddr::from(([127, 0, 0, 1], self.events_port)));
-                Sims::start_llmd(bin, self.args.pods, self.port, events).await
+                let max_model_len = self.args.llmd_max_model_len;
+                Sims::start_llmd(bin, self.args.pods, self.port, max_model_len, events).await
             }
             _ => {
                 ensure!(
