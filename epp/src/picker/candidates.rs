@@ -349,10 +349,14 @@ impl CandidateSet {
             };
             let at_best = picker.ttft.predict(&self.states[i].ttft, &as_best);
             let reusers = reuse::reusers(shared, prefix.cached_tokens, best);
+            let amortized = reuse::amortized(predicted, at_best, reusers);
+            if amortized >= predicted {
+                // No cheaper as a replica: the index need not be walked.
+                continue;
+            }
             let evicted = units.of_estimate(self.states[i].prefix.reused_evictions(hashes));
             let gap = best - prefix.cached_tokens;
-            let price = reuse::amortized(predicted, at_best, reusers)
-                + reuse::eviction_cost(predicted, at_best, gap, evicted);
+            let price = amortized + reuse::eviction_cost(predicted, at_best, gap, evicted);
             if price < predicted {
                 self.candidates[i].metrics.predicted_ttft = Some(price);
                 self.seeds.push(i);

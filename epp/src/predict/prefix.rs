@@ -124,8 +124,9 @@ struct Node {
 /// `slots` is an open-addressing table (linear probing, load ≤ 1/2) of indices
 /// into `nodes`, addressed by the block hash's low bits. The hashes are already
 /// uniform (xxh3 with a secret seed), so they index the table directly, and the
-/// table stores 4-byte indices rather than (hash, index) pairs: 16 B per node
-/// plus 8–16 B of table per block, about half of a `HashMap<u64, u32>`.
+/// table stores 4-byte indices rather than (hash, index) pairs: 16 B per node,
+/// 1 B for its reused flag and 8–16 B of table per block, about half of a
+/// `HashMap<u64, u32>`.
 struct BlockLru {
     slots: Vec<u32>,
     nodes: Vec<Node>,
@@ -621,8 +622,9 @@ mod tests {
                     }
                     assert_eq!(order, model, "cap {cap} step {step}");
                     assert!(model.iter().all(|&(m, _)| lru.contains(m)));
-                    // Evicting n blocks takes the n oldest, reused or not.
-                    let n = rng.random_range(0..=cap);
+                    // Storing n new blocks evicts the oldest past the room,
+                    // reused or not.
+                    let n = rng.random_range(0..=2 * cap);
                     let room = cap - model.len();
                     let oldest = model.iter().rev().take(n.saturating_sub(room));
                     assert_eq!(

@@ -89,7 +89,9 @@ pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
 /// (`predicted − at_best` for `gap` tokens). A replica seeded on a Pod
 /// whose cache is full of other groups' reused prefixes evicted them and
 /// slowed all of those groups (BENCHMARKS, issue 14); on a Pod with room,
-/// or with only prompts nobody sent again, it costs nothing.
+/// or with only prompts nobody sent again, it costs nothing. A price that
+/// reaches the request's own prediction is no replica: the candidate is
+/// then ranked by that prediction, evictions unpriced, as any other.
 pub fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f64 {
     let per_token = (predicted - at_best).max(0.0) / gap;
     if per_token.is_finite() {
