@@ -1367,12 +1367,31 @@ struct Predictions {
     /// index, and all answers checked.
     events_agree: f64,
     events_checked: f64,
+    /// Precise mode: answers the index made no prediction for (the route
+    /// memory's estimate won), and answers whose engine had another prefix
+    /// cached than the index said.
+    events_unindexed: f64,
+    events_cached_tokens: f64,
 }
 
 impl Predictions {
     /// The share of a phase's TTFT predictions that were too high.
     fn over_share(before: Predictions, after: Predictions) -> Option<f64> {
         share(after.ttft_over - before.ttft_over, after.ttft - before.ttft)
+    }
+
+    /// Precise mode's checks over a phase by finding, for the log.
+    fn checks(before: Predictions, after: Predictions) -> Option<String> {
+        let all = after.events_checked - before.events_checked;
+        let pct = |a: f64, b: f64| share(a - b, all).map_or(0.0, |s| s * 100.0);
+        (all > 0.0).then(|| {
+            format!(
+                ", index checks: agree {:.0}%, unindexed {:.0}%, other prefix {:.0}%",
+                pct(after.events_agree, before.events_agree),
+                pct(after.events_unindexed, before.events_unindexed),
+                pct(after.events_cached_tokens, before.events_cached_tokens),
+            )
+        })
     }
 
     /// The shares over a phase, from the counts before and after it.
@@ -1424,8 +1443,11 @@ async fn predictions(http: &HttpClient, epp: Option<&EppProcess>) -> Option<Pred
             }
             "kinference_epp_kv_events_checks_total" => {
                 p.events_checked += s.value;
-                if label("result") == Some("agree") {
-                    p.events_agree += s.value;
+                match label("result") {
+                    Some("agree") => p.events_agree += s.value,
+                    Some("unindexed") => p.events_unindexed += s.value,
+                    Some("cached_tokens") => p.events_cached_tokens += s.value,
+                    _ => {}
                 }
             }
             _ => {}
@@ -1794,8 +1816,15 @@ impl Bench {
                     .map_or(String::new(), |o| {
                         format!(", TTFT predictions too high {:.0}%", o * 100.0)
                     });
+                let checks = counted
+                    .and_then(|(b, a)| Predictions::checks(b, a))
+                    .unwrap_or_default();
                 let phase = format!("{} {rate:.0}/s", workload.label);
-                eprintln!("[peers] {} {phase}: {}{over}", contender.name, brief(&m));
+                eprintln!(
+                    "[peers] {} {phase}: {}{over}{checks}",
+                    contender.name,
+                    brief(&m)
+                );
                 for (server, served) in &m.out.served {
                     eprintln!("[peers]   {server}: {}", served.summary());
                 }
