@@ -922,10 +922,12 @@ impl Served {
 
 /// The `q` quantile of token counts, `-` when there are none.
 fn token_quantile(tokens: &[u64], q: f64) -> String {
+    if tokens.is_empty() {
+        return "-".to_string();
+    }
     let mut sorted = tokens.to_vec();
     sorted.sort_unstable();
-    let i = ((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1);
-    sorted.get(i).map_or("-".to_string(), u64::to_string)
+    quantile(&sorted, q).to_string()
 }
 
 impl Outcome for Outcomes {

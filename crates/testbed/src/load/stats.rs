@@ -64,9 +64,9 @@ impl Tally {
 
 /// The `q` quantile (0..=1) of sorted samples by nearest rank: the
 /// ⌈n·q⌉-th smallest (the smallest for q = 0); zero when there are none.
-pub fn quantile(sorted: &[Duration], q: f64) -> Duration {
+pub fn quantile<T: Copy + Default>(sorted: &[T], q: f64) -> T {
     if sorted.is_empty() {
-        return Duration::ZERO;
+        return T::default();
     }
     let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
     sorted[i - 1]
@@ -152,7 +152,7 @@ mod tests {
         assert_eq!(quantile(&few, 0.5), Duration::from_millis(7));
         assert_eq!(quantile(&few, 0.99), Duration::from_millis(20));
         assert_eq!(quantile(&few[..1], 0.5), Duration::from_millis(3));
-        assert_eq!(quantile(&[], 0.5), Duration::ZERO);
+        assert_eq!(quantile::<Duration>(&[], 0.5), Duration::ZERO);
     }
 
     #[test]
