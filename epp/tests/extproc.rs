@@ -99,6 +99,18 @@ async fn start(policy: &str, sims: Vec<SimHandle>, max_body: usize) -> Harness {
     harness
 }
 
+/// Checks `done` every 10 ms, at most `tries` times: for what the EPP does
+/// beside its reply (recording a route, learning a sample, resizing an
+/// index). The caller asserts the outcome.
+async fn poll_until(tries: usize, mut done: impl FnMut() -> bool) {
+    for _ in 0..tries {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 impl Harness {
     /// Decides `request` and answers it from the endpoint picked: the first
     /// byte after `ttft_ms`, then `body`, the whole answer.
@@ -700,14 +712,8 @@ async fn the_prefix_index_holds_as_much_text_as_the_engines_cache() {
     }
     let ratio = state.engine_tokens.get();
     assert!((0.49..0.52).contains(&ratio), "learnt ratio {ratio}");
-    let mut grown = state.prefix.capacity();
-    for _ in 0..100 {
-        if grown != sized_by_estimate {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        grown = state.prefix.capacity();
-    }
+    poll_until(100, || state.prefix.capacity() != sized_by_estimate).await;
+    let grown = state.prefix.capacity();
     let doubled = grown as f64 / sized_by_estimate as f64;
     assert!(
         (1.9..2.1).contains(&doubled),
@@ -775,12 +781,7 @@ async fn a_stream_that_will_not_report_usage_is_learnt_at_its_first_byte() {
         stream.finish_with(last_chunk).await.unwrap();
         // A sample no count came for is learnt when the stream closes,
         // just after the client's last message.
-        for _ in 0..200 {
-            if learnt() > before {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        poll_until(200, || learnt() > before).await;
         assert_eq!(learnt(), before + 1, "case {i}: once the answer ended");
     }
 }
@@ -1062,12 +1063,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
         }
         // The index records a route beside its reply.
         let state = epp.registry().state_at(idle).unwrap();
-        for _ in 0..100 {
-            if state.prefix.len() == 500 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        poll_until(100, || state.prefix.len() == 500).await;
         assert_eq!(state.prefix.len(), 500, "the idle Pod's cache is full");
         // The last filler's second route refreshes blocks already there,
         // so the length cannot show it: let its recording run.

@@ -16,11 +16,11 @@
 //! is learnt once, when the count comes or when dropped, with the engine's
 //! count if one came and was further from the guess than the two blocks'
 //! tails explain (see [`TtftSample::engine_reported`]), and with the guess
-//! otherwise (an engine that reports
-//! none, a client that went away). A stream that will not report (one that
-//! did not ask, `stream_options.include_usage`, to an engine that reports
-//! only when asked) is learnt at its first byte: waiting for its end, often
-//! many seconds later, would only keep the model behind.
+//! otherwise (an engine that reports none, a client that went away). A
+//! stream that will not report (one that did not ask,
+//! `stream_options.include_usage`, to an engine that reports only when
+//! asked) is learnt at its first byte: waiting for its end, often many
+//! seconds later, would only keep the model behind.
 
 use std::sync::Arc;
 
