@@ -946,8 +946,10 @@ async fn a_replica_is_not_seeded_where_it_would_evict_reused_prefixes() {
 }
 
 /// The idle Pod of [`queued_prefix_case`] with a KV cache of 8,000 tokens
-/// (500 blocks of the prefix index), filled by two prompts of 250 blocks
-/// each sent `sends` times.
+/// (500 blocks of the prefix index), filled by two prompts of 250 and 265
+/// blocks each sent `sends` times: the second pushes blocks out, so only
+/// those sent again count as reused (until a cache first fills, every
+/// block counts, see `PrefixCache::growth`).
 struct IdleCache {
     sends: usize,
 }
@@ -1089,4 +1091,135 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
         other_group,
         seeds,
     }
+}
+
+const TWO_GROUPS: &str = "10.0.0.1:8000";
+const ONE_GROUP: &str = "10.0.0.2:8000";
+
+/// A group cached nowhere goes where its prompts fit beside those that
+/// requests come back for. Both Pods' caches hold 500 blocks of the prefix
+/// index; one holds two groups of about 225 blocks, each sent twice, the
+/// other one such group and more requests running. A third group beside
+/// the two would push about 180 reused blocks out, to be prefilled again
+/// by their next requests, for as long as it stays: it goes to the other
+/// Pod, though that one is busier. The forecast weighs at most one queued
+/// request, so two requests waiting there outweigh it, and a Pod running
+/// more than one request above the pool's mean has no room either: its
+/// traffic would queue the new group's. Under a TTFT SLO, which must see
+/// the request's own TTFT, the load decides.
+#[tokio::test]
+async fn a_new_group_goes_where_its_working_set_fits() {
+    let priced = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let busier = Load {
+        running: 2.0,
+        waiting: 0.0,
+    };
+    assert_eq!(new_group_case(priced, busier).await, ONE_GROUP);
+    let queued = Load {
+        running: 2.0,
+        waiting: 2.0,
+    };
+    assert_eq!(new_group_case(priced, queued).await, TWO_GROUPS);
+    let hot = Load {
+        running: 3.0,
+        waiting: 0.0,
+    };
+    assert_eq!(new_group_case(priced, hot).await, TWO_GROUPS);
+    let slo = "route:\n      exclude: [{ drop: { PredictedTTFT: { greaterThan: 30s } } }]\n      select: [{ minimize: PredictedTTFT }]";
+    assert_eq!(new_group_case(slo, busier).await, TWO_GROUPS);
+}
+
+/// Requests on [`ONE_GROUP`]'s engine when the fourth group arrives.
+#[derive(Clone, Copy)]
+struct Load {
+    running: f64,
+    waiting: f64,
+}
+
+/// Where [`a_new_group_goes_where_its_working_set_fits`]'s fourth group
+/// goes under `route` with `load` on [`ONE_GROUP`].
+async fn new_group_case(route: &str, load: Load) -> String {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_secs(60),
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(&format!("{POOL}rules:\n  - name: fast\n    {route}\n"))
+        .expect("policy compiles");
+    let specs = [TWO_GROUPS, ONE_GROUP].map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    let scrape = |load: &Load| {
+        for ep in epp.registry().endpoints() {
+            let idle = Load {
+                running: 0.0,
+                waiting: 0.0,
+            };
+            let load = if ep.address() == ONE_GROUP {
+                load
+            } else {
+                &idle
+            };
+            let m = ScrapedMetrics {
+                running: load.running,
+                waiting: load.waiting,
+                num_gpu_blocks: Some(500),
+                block_size: Some(16),
+                ..ScrapedMetrics::empty(std::time::Instant::now())
+            };
+            epp.registry().set_metrics(&ep.name, m);
+        }
+    };
+    scrape(&Load {
+        running: 0.0,
+        waiting: 0.0,
+    });
+    let client = serve_without_scraper(&epp).await;
+    let ask = |group: &str, only: Option<&str>| {
+        let body = json!({
+            "model": "qwen",
+            "messages": [
+                { "role": "system", "content": format!("{group:<64}").repeat(225) },
+                { "role": "user", "content": "Why?" }
+            ]
+        });
+        let mut request =
+            HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap());
+        request.subset = only.map(|a| vec![a.to_string()]);
+        let client = &client;
+        async move {
+            let (outcome, _) = client.decide(&request).await.unwrap();
+            outcome
+                .destination()
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let placed = [
+        (TWO_GROUPS, &["First group."][..]),
+        (ONE_GROUP, &["Second group."][..]),
+        (TWO_GROUPS, &["Third group."][..]),
+    ];
+    for (pod, groups) in placed {
+        for group in groups {
+            for _ in 0..2 {
+                assert_eq!(ask(group, Some(pod)).await, pod);
+            }
+        }
+    }
+    // The index records a route beside its reply.
+    for (pod, blocks) in [(TWO_GROUPS, 450), (ONE_GROUP, 225)] {
+        let state = epp.registry().state_at(pod).unwrap();
+        poll_until(100, || state.prefix.len() >= blocks).await;
+        assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
+    }
+    // Each group's second route only refreshes its blocks: let it run.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    scrape(&load);
+    ask("Fourth group.", None).await
 }

@@ -183,6 +183,7 @@ impl CandidateSet {
                 set.prefixes.push(Some(prefix));
             }
         }
+        set.price_room(picker, policy, &units, hashes);
         set.share_replica_prefills(picker, policy, &units, hashes, now);
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
@@ -289,6 +290,82 @@ impl CandidateSet {
 }
 
 impl CandidateSet {
+    /// A local candidate that lacks part of the prompt is priced with the
+    /// room it leaves: where a prompt goes, its group's next requests
+    /// follow. A Pod whose cache it would overflow, were its blocks reused
+    /// like those already there (`PrefixCache::growth`),
+    /// would prefill its questions, and its neighbours', again for as long
+    /// as the group stays (a fourth group on a Pod holding three:
+    /// BENCHMARKS, issue 14). For a prompt cached nowhere (a new group's
+    /// first request, or a one-off: they cannot be told apart), a Pod
+    /// running more than one request above the pool's mean has no room
+    /// either: it carries a hot group, whose traffic would queue the new
+    /// group's.
+    ///
+    /// The price weighs at most one queued request by the Pod's model, in
+    /// the share of the prompt's new blocks that would not fit: it is a
+    /// forecast (the group may never come back), and uncapped, or without
+    /// the load, it sent new groups to the one Pod with room, the one a hot
+    /// group kept busy (BENCHMARKS, "Room for a new group"). So room
+    /// decides between Pods whose loads are within a queued request, and
+    /// load beyond that. Only for a policy that ranks by `PredictedTTFT`
+    /// and bounds it nowhere, as for a replica.
+    fn price_room(
+        &mut self,
+        picker: &Picker,
+        policy: &LoadedPolicy,
+        units: &PromptUnits,
+        hashes: &[u64],
+    ) {
+        let reads = &policy.compiled.reads;
+        if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft || hashes.is_empty() {
+            return;
+        }
+        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
+        let cached_nowhere =
+            local().all(|i| self.prefixes[i].is_some_and(|p| p.cached_tokens <= 0.0));
+        let busy_above = if cached_nowhere {
+            let loads: Vec<f64> = local()
+                .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
+                .collect();
+            loads.iter().sum::<f64>() / loads.len().max(1) as f64 + 1.0
+        } else {
+            f64::INFINITY
+        };
+        for i in local() {
+            let (Some(prefix), Some(features), Some(predicted)) =
+                (self.prefixes[i], self.features[i], self.predicted[i])
+            else {
+                continue;
+            };
+            let gap = prefix.prompt - prefix.cached_tokens;
+            if gap <= 0.0 {
+                continue;
+            }
+            let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
+            let room = if features.running + features.waiting > busy_above {
+                queued
+            } else {
+                let growth = self.states[i].prefix.growth(hashes);
+                if growth.overflow == 0 {
+                    continue;
+                }
+                let all_cached = TtftFeatures {
+                    uncached_tokens: 0.0,
+                    ..features
+                };
+                let at_cached = picker.ttft.predict(&self.states[i].ttft, &all_cached);
+                // In precise mode the events may hold more than this EPP
+                // routed: the prompt's own uncached tokens bound what it adds.
+                let evicted = units.of_estimate(growth.overflow).min(gap);
+                let cost = reuse::eviction_cost(predicted, at_cached, gap, evicted);
+                let share = growth.overflow as f64 / growth.new as f64;
+                cost.min(queued * share)
+            };
+            self.candidates[i].metrics.predicted_ttft = Some(predicted + room);
+        }
+    }
+
     /// A local candidate that lacks part of the prefix the best-cached one
     /// of its model holds is priced with that part's prefill divided among
     /// the recent requests that shared it (`predict::reuse`), plus the

@@ -135,6 +135,12 @@ struct BlockLru {
     /// user's own question) costs nothing to evict; a reused one will be
     /// prefilled again by its next reuser.
     reused: Vec<bool>,
+    /// How many of `reused` are set.
+    reused_count: usize,
+    /// Whether a block was ever pushed out (or dropped by a shrink): until
+    /// then every block is as young as the Pod's traffic, and one that
+    /// nobody reused yet may simply not have had the time.
+    filled: bool,
     /// Most recently used.
     head: u32,
     /// Least recently used.
@@ -148,6 +154,8 @@ impl BlockLru {
             slots: Vec::new(),
             nodes: Vec::new(),
             reused: Vec::new(),
+            reused_count: 0,
+            filled: false,
             head: NIL,
             tail: NIL,
             // Node indices are u32 with NIL reserved, and the table needs
@@ -268,7 +276,10 @@ impl BlockLru {
     /// recently used block if full).
     fn touch(&mut self, h: u64) {
         if let Some((_, i)) = self.find(h) {
-            self.reused[i as usize] = true;
+            if !self.reused[i as usize] {
+                self.reused[i as usize] = true;
+                self.reused_count += 1;
+            }
             if self.head != i {
                 self.unlink(i);
                 self.push_front(i);
@@ -295,7 +306,11 @@ impl BlockLru {
                 self.remove_slot(s);
             }
             self.nodes[i as usize].hash = h;
-            self.reused[i as usize] = false;
+            if self.reused[i as usize] {
+                self.reused[i as usize] = false;
+                self.reused_count -= 1;
+            }
+            self.filled = true;
             i
         };
         self.insert_slot(i);
@@ -318,7 +333,9 @@ impl BlockLru {
             for &(h, reused) in keep.iter().rev() {
                 self.touch(h);
                 self.reused[self.head as usize] = reused;
+                self.reused_count += usize::from(reused);
             }
+            self.filled = true;
         }
         self.cap = cap;
     }
@@ -337,6 +354,23 @@ impl BlockLru {
             i = self.nodes[i as usize].prev;
         }
         reused
+    }
+
+    /// The blocks requests keep coming back for: the reused ones, or every
+    /// one held until the cache first fills.
+    fn working_set(&self) -> usize {
+        if self.filled {
+            self.reused_count
+        } else {
+            self.nodes.len()
+        }
+    }
+
+    /// How many of `new` more blocks, were they reused like the working
+    /// set, would not fit beside it: each such block, once the cache is
+    /// full, pushes out one that a request comes back for.
+    fn working_set_overflow(&self, new: usize) -> usize {
+        (self.working_set() + new).saturating_sub(self.cap)
     }
 
     /// Length of the longest prefix of `hashes` present. Relies on prefix
@@ -367,6 +401,15 @@ pub(super) fn leading_run(n: usize, holds: impl Fn(usize) -> bool) -> usize {
         }
     }
     lo + 1
+}
+
+/// What storing a prompt adds to a [`PrefixCache`], in blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growth {
+    /// The prompt's blocks not held yet.
+    pub new: usize,
+    /// How many of them would not fit beside the working set.
+    pub overflow: usize,
 }
 
 /// The prompt prefixes one destination recently received.
@@ -427,6 +470,22 @@ impl PrefixCache {
         let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
         lru.reused_evictions(new)
+    }
+
+    /// The blocks of `hashes` not held here, and how many of them would,
+    /// once its next requests reuse them, push out blocks other requests
+    /// reuse: a working set that outgrows the cache has its own prompts
+    /// prefilled again and again. Where
+    /// [`reused_evictions`](Self::reused_evictions) sees the room there is
+    /// now, this sees the room a new group will need once its questions
+    /// fill the cache; it does not walk the index.
+    pub fn growth(&self, hashes: &[u64]) -> Growth {
+        let lru = lock(&self.lru);
+        let new = hashes.len() - lru.longest_prefix(hashes);
+        Growth {
+            new,
+            overflow: lru.working_set_overflow(new),
+        }
     }
 
     /// Resizes to `capacity_blocks` (the server's real cache size); shrinking
@@ -595,6 +654,7 @@ mod tests {
         for cap in [1usize, 2, 7, 64, 300] {
             let mut lru = BlockLru::new(cap);
             let mut model: Vec<(u64, bool)> = Vec::new(); // most recent first, reused
+            let mut filled = false;
             for step in 0..20_000 {
                 let k = match rng.random_range(0..3) {
                     0 => rng.random_range(0..(cap as u64 * 3)) << 32, // low bits all 0
@@ -610,6 +670,7 @@ mod tests {
                     None => false,
                 };
                 model.insert(0, (k, reused));
+                filled |= model.len() > cap;
                 model.truncate(cap);
                 if step % 97 == 0 {
                     assert_eq!(lru.len(), model.len());
@@ -631,6 +692,14 @@ mod tests {
                         lru.reused_evictions(n),
                         oldest.filter(|&&(_, reused)| reused).count()
                     );
+                    // Until a block was pushed out, all of them are the
+                    // working set; after, the reused ones.
+                    let working = if filled {
+                        model.iter().filter(|&&(_, reused)| reused).count()
+                    } else {
+                        model.len()
+                    };
+                    assert_eq!(lru.working_set(), working, "cap {cap} step {step}");
                     assert_eq!(lru.slots.iter().filter(|&&v| v != NIL).count(), model.len());
                 }
                 let probe = rng.random_range(0..(cap as u64 * 3)) << 32;
@@ -691,6 +760,41 @@ mod tests {
         // A shrink keeps the flags of the blocks it keeps.
         e.set_capacity(8);
         assert_eq!(e.reused_evictions(&new), 6);
+    }
+
+    #[test]
+    fn a_new_prompt_overflows_a_working_set_that_fills_the_cache() {
+        let e = PrefixCache::new(20);
+        let group = |seed| hashes(&text(seed, 64 * 8));
+        let (a, b, c) = (group(1), group(2), group(3));
+        // Before the cache first fills, every block held counts: 8 + 8
+        // beside `c`'s 8 is 4 too many, though nothing is evicted yet.
+        e.record(&a);
+        assert_eq!(e.growth(&b).overflow, 0);
+        e.record(&b);
+        assert_eq!(e.reused_evictions(&c), 0, "room for c now");
+        assert_eq!(
+            e.growth(&c),
+            Growth {
+                new: 8,
+                overflow: 4
+            }
+        );
+        assert_eq!(e.growth(&a).overflow, 0, "a prompt held needs no room");
+        // Once it filled, only what requests came back for counts: `a`
+        // reused, `b` and `c` sent once.
+        e.record(&a);
+        e.record(&c);
+        let d = group(4);
+        assert_eq!(e.growth(&d).overflow, 0, "8 reused + 8 new fit in 20");
+        e.record(&c);
+        assert_eq!(
+            e.growth(&d).overflow,
+            4,
+            "c reused too: 16 + 8 is 4 past 20"
+        );
+        let long = hashes(&text(5, 64 * 30));
+        assert_eq!(e.growth(&long).overflow, 16 + 30 - 20);
     }
 
     #[test]
