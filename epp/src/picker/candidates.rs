@@ -292,24 +292,28 @@ impl CandidateSet {
 impl CandidateSet {
     /// A local candidate that lacks part of the prompt is priced with the
     /// room it leaves: where a prompt goes, its group's next requests
-    /// follow. A Pod whose cache it would overflow, were its blocks reused
-    /// like those already there (`PrefixCache::growth`),
-    /// would prefill its questions, and its neighbours', again for as long
-    /// as the group stays (a fourth group on a Pod holding three:
-    /// BENCHMARKS, issue 14). For a prompt cached nowhere (a new group's
-    /// first request, or a one-off: they cannot be told apart), a Pod
-    /// running more than one request above the pool's mean has no room
-    /// either: it carries a hot group, whose traffic would queue the new
-    /// group's.
+    /// follow. A Pod whose cache would not hold the prompt's new blocks
+    /// beside its working set (`PrefixCache::growth`) would prefill its
+    /// questions, and its neighbours', again for as long as the group
+    /// stays (a fourth group on a Pod holding three: BENCHMARKS, issue
+    /// 14). For a prompt cached nowhere (a new group's first request, or a
+    /// one-off: they cannot be told apart), a Pod with more requests
+    /// running and waiting (picks not yet scraped included) than one above
+    /// the candidates' mean has no room either: it carries a hot group,
+    /// whose traffic would queue the new group's.
     ///
-    /// The price weighs at most one queued request by the Pod's model, in
-    /// the share of the prompt's new blocks that would not fit: it is a
-    /// forecast (the group may never come back), and uncapped, or without
-    /// the load, it sent new groups to the one Pod with room, the one a hot
-    /// group kept busy (BENCHMARKS, "Room for a new group"). So room
-    /// decides between Pods whose loads are within a queued request, and
-    /// load beyond that. Only for a policy that ranks by `PredictedTTFT`
-    /// and bounds it nowhere, as for a replica.
+    /// The price is the share of the new blocks that would not fit, times
+    /// one queued request by the Pod's model, and at most their prefill
+    /// (a group's next question on its own Pod costs no more than itself).
+    /// It is a forecast (the group may never come back); uncapped, or
+    /// without the load, it sent new groups to the one Pod with room, the
+    /// one a hot group kept busy (BENCHMARKS, "Room for a new group"). So
+    /// room decides between Pods whose loads are within a queued request,
+    /// and load beyond that. A replica's own price
+    /// (`share_replica_prefills`), where cheaper than the unpriced
+    /// prediction, replaces this one: it prices the evictions it makes
+    /// now. Only for a policy that ranks by `PredictedTTFT` and bounds it
+    /// nowhere, as for a replica.
     fn price_room(
         &mut self,
         picker: &Picker,
@@ -324,7 +328,7 @@ impl CandidateSet {
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
         let cached_nowhere =
             local().all(|i| self.prefixes[i].is_some_and(|p| p.cached_tokens <= 0.0));
-        let busy_above = if cached_nowhere {
+        let full_above_load = if cached_nowhere {
             let loads: Vec<f64> = local()
                 .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
                 .collect();
@@ -343,7 +347,7 @@ impl CandidateSet {
                 continue;
             }
             let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
-            let room = if features.running + features.waiting > busy_above {
+            let price = if features.running + features.waiting > full_above_load {
                 queued
             } else {
                 let growth = self.states[i].prefix.growth(hashes);
@@ -362,7 +366,7 @@ impl CandidateSet {
                 let share = growth.overflow as f64 / growth.new as f64;
                 cost.min(queued * share)
             };
-            self.candidates[i].metrics.predicted_ttft = Some(predicted + room);
+            self.candidates[i].metrics.predicted_ttft = Some(predicted + price);
         }
     }
 

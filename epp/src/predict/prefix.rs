@@ -140,7 +140,7 @@ struct BlockLru {
     /// Whether a block was ever pushed out (or dropped by a shrink): until
     /// then every block is as young as the Pod's traffic, and one that
     /// nobody reused yet may simply not have had the time.
-    filled: bool,
+    has_evicted: bool,
     /// Most recently used.
     head: u32,
     /// Least recently used.
@@ -155,7 +155,7 @@ impl BlockLru {
             nodes: Vec::new(),
             reused: Vec::new(),
             reused_count: 0,
-            filled: false,
+            has_evicted: false,
             head: NIL,
             tail: NIL,
             // Node indices are u32 with NIL reserved, and the table needs
@@ -310,7 +310,7 @@ impl BlockLru {
                 self.reused[i as usize] = false;
                 self.reused_count -= 1;
             }
-            self.filled = true;
+            self.has_evicted = true;
             i
         };
         self.insert_slot(i);
@@ -335,7 +335,7 @@ impl BlockLru {
                 self.reused[self.head as usize] = reused;
                 self.reused_count += usize::from(reused);
             }
-            self.filled = true;
+            self.has_evicted = true;
         }
         self.cap = cap;
     }
@@ -357,9 +357,9 @@ impl BlockLru {
     }
 
     /// The blocks requests keep coming back for: the reused ones, or every
-    /// one held until the cache first fills.
+    /// one held until the cache first pushes one out.
     fn working_set(&self) -> usize {
-        if self.filled {
+        if self.has_evicted {
             self.reused_count
         } else {
             self.nodes.len()
@@ -367,8 +367,9 @@ impl BlockLru {
     }
 
     /// How many of `new` more blocks, were they reused like the working
-    /// set, would not fit beside it: each such block, once the cache is
-    /// full, pushes out one that a request comes back for.
+    /// set, would not fit beside it: the blocks nobody came back for age
+    /// out first, and past them each new block pushes out one that a
+    /// request comes back for.
     fn working_set_overflow(&self, new: usize) -> usize {
         (self.working_set() + new).saturating_sub(self.cap)
     }
@@ -472,13 +473,18 @@ impl PrefixCache {
         lru.reused_evictions(new)
     }
 
-    /// The blocks of `hashes` not held here, and how many of them would,
-    /// once its next requests reuse them, push out blocks other requests
-    /// reuse: a working set that outgrows the cache has its own prompts
-    /// prefilled again and again. Where
-    /// [`reused_evictions`](Self::reused_evictions) sees the room there is
-    /// now, this sees the room a new group will need once its questions
-    /// fill the cache; it does not walk the index.
+    /// The blocks of `hashes` not held here, and how many of them would not
+    /// fit beside the working set (the blocks requests keep coming back
+    /// for, or every block held until the cache first pushes one out): a
+    /// group placed where its working set does not fit has its prompts
+    /// prefilled again and again. It does not walk the index.
+    ///
+    /// Once blocks were pushed out, this never exceeds
+    /// [`reused_evictions`](Self::reused_evictions), which also counts the
+    /// reused blocks that are older than some one-off: it is the steady
+    /// state, after the one-offs aged out. Before, it counts every block
+    /// held, reused or not: a cold cache's groups have not had the time to
+    /// come back.
     pub fn growth(&self, hashes: &[u64]) -> Growth {
         let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
@@ -654,7 +660,7 @@ mod tests {
         for cap in [1usize, 2, 7, 64, 300] {
             let mut lru = BlockLru::new(cap);
             let mut model: Vec<(u64, bool)> = Vec::new(); // most recent first, reused
-            let mut filled = false;
+            let mut has_evicted = false;
             for step in 0..20_000 {
                 let k = match rng.random_range(0..3) {
                     0 => rng.random_range(0..(cap as u64 * 3)) << 32, // low bits all 0
@@ -670,7 +676,7 @@ mod tests {
                     None => false,
                 };
                 model.insert(0, (k, reused));
-                filled |= model.len() > cap;
+                has_evicted |= model.len() > cap;
                 model.truncate(cap);
                 if step % 97 == 0 {
                     assert_eq!(lru.len(), model.len());
@@ -694,7 +700,7 @@ mod tests {
                     );
                     // Until a block was pushed out, all of them are the
                     // working set; after, the reused ones.
-                    let working = if filled {
+                    let working = if has_evicted {
                         model.iter().filter(|&&(_, reused)| reused).count()
                     } else {
                         model.len()
@@ -757,9 +763,16 @@ mod tests {
         assert_eq!(e.reused_evictions(&longest), 4);
         // A prompt already held needs no room.
         assert_eq!(e.reused_evictions(&shared), 0);
-        // A shrink keeps the flags of the blocks it keeps.
+        // A shrink keeps the flags of the blocks it keeps, and their count.
         e.set_capacity(8);
         assert_eq!(e.reused_evictions(&new), 6);
+        assert_eq!(
+            e.growth(&new),
+            Growth {
+                new: 6,
+                overflow: 6
+            }
+        );
     }
 
     #[test]
@@ -767,12 +780,13 @@ mod tests {
         let e = PrefixCache::new(20);
         let group = |seed| hashes(&text(seed, 64 * 8));
         let (a, b, c) = (group(1), group(2), group(3));
-        // Before the cache first fills, every block held counts: 8 + 8
-        // beside `c`'s 8 is 4 too many, though nothing is evicted yet.
+        // Before the cache first pushes a block out, every block held
+        // counts: 8 + 8 beside `c`'s 8 is 4 too many, though none of them
+        // was reused yet.
         e.record(&a);
         assert_eq!(e.growth(&b).overflow, 0);
         e.record(&b);
-        assert_eq!(e.reused_evictions(&c), 0, "room for c now");
+        assert_eq!(e.reused_evictions(&c), 0, "nothing reused pushed out now");
         assert_eq!(
             e.growth(&c),
             Growth {
@@ -781,8 +795,8 @@ mod tests {
             }
         );
         assert_eq!(e.growth(&a).overflow, 0, "a prompt held needs no room");
-        // Once it filled, only what requests came back for counts: `a`
-        // reused, `b` and `c` sent once.
+        // Once blocks were pushed out, only what requests came back for
+        // counts: `a` reused, `b` and `c` sent once.
         e.record(&a);
         e.record(&c);
         let d = group(4);
