@@ -111,6 +111,32 @@ async fn poll_until(tries: usize, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// An EPP whose one rule, `fast`, routes by `route` over `pods`, each
+/// serving `qwen`; no scraper: the tests set the metrics.
+fn epp_over_pods(route: &str, pods: &[&str]) -> Epp {
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_secs(60),
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(&format!("{POOL}rules:\n  - name: fast\n    {route}\n"))
+        .expect("policy compiles");
+    let specs = pods
+        .iter()
+        .map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    epp
+}
+
+/// The first destination the EPP names for `request`.
+async fn primary_destination(client: &EppClient, request: &HttpRequest) -> String {
+    let (outcome, _) = client.decide(request).await.unwrap();
+    let destinations = outcome.destination().expect("routed to a Pod");
+    destinations.split(',').next().unwrap().to_string()
+}
+
 impl Harness {
     /// Decides `request` and answers it from the endpoint picked: the first
     /// byte after `ttft_ms`, then `body`, the whole answer.
@@ -970,18 +996,8 @@ struct QueuedPrefixCase {
 /// requests waiting, [`IDLE`] holds none, or `idle_cache`'s.
 async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> QueuedPrefixCase {
     use kinference_epp::endpoints::ScrapedMetrics;
-    let epp = Epp::new(Settings {
-        scrape_interval: Duration::from_secs(60),
-        ..Settings::default()
-    });
-    epp.policy()
-        .load_text(&format!("{POOL}rules:\n  - name: fast\n    {route}\n"))
-        .expect("policy compiles");
     let (busy, idle) = (BUSY, IDLE);
-    let specs = [busy, idle].map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
-    epp.registry()
-        .replace_all(endpoints_from_specs(specs).unwrap());
-    epp.registry().mark_synced();
+    let epp = epp_over_pods(route, &[busy, idle]);
     let scrape = |waiting_on_busy: f64| {
         for ep in epp.registry().endpoints() {
             let waiting = if ep.address() == busy {
@@ -1018,16 +1034,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
     let ask = |system: String, question: usize, only: Option<&str>| {
         let request = request(&system, question, only);
         let client = &client;
-        async move {
-            let (outcome, _) = client.decide(&request).await.unwrap();
-            outcome
-                .destination()
-                .unwrap()
-                .split(',')
-                .next()
-                .unwrap()
-                .to_string()
-        }
+        async move { primary_destination(client, &request).await }
     };
     let lonely = "A system prompt one user sent. ".repeat(775);
     let team = "A system prompt the whole team sends. ".repeat(632);
@@ -1143,17 +1150,7 @@ struct Load {
 /// goes under `route` with `load` on [`ONE_GROUP`].
 async fn new_group_case(route: &str, load: Load) -> String {
     use kinference_epp::endpoints::ScrapedMetrics;
-    let epp = Epp::new(Settings {
-        scrape_interval: Duration::from_secs(60),
-        ..Settings::default()
-    });
-    epp.policy()
-        .load_text(&format!("{POOL}rules:\n  - name: fast\n    {route}\n"))
-        .expect("policy compiles");
-    let specs = [TWO_GROUPS, ONE_GROUP].map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
-    epp.registry()
-        .replace_all(endpoints_from_specs(specs).unwrap());
-    epp.registry().mark_synced();
+    let epp = epp_over_pods(route, &[TWO_GROUPS, ONE_GROUP]);
     let scrape = |load: &Load| {
         for ep in epp.registry().endpoints() {
             let idle = Load {
@@ -1192,16 +1189,7 @@ async fn new_group_case(route: &str, load: Load) -> String {
             HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap());
         request.subset = only.map(|a| vec![a.to_string()]);
         let client = &client;
-        async move {
-            let (outcome, _) = client.decide(&request).await.unwrap();
-            outcome
-                .destination()
-                .unwrap()
-                .split(',')
-                .next()
-                .unwrap()
-                .to_string()
-        }
+        async move { primary_destination(client, &request).await }
     };
     let placed = [
         (TWO_GROUPS, "First group."),
