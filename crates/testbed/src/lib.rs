@@ -21,6 +21,8 @@
 //! Nothing here is part of the shipped EPP or operator.
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeSet;
+
 pub mod envoy;
 pub mod extproc_client;
 pub mod http_client;
@@ -34,9 +36,35 @@ pub mod prom_reference;
 pub mod workload;
 
 /// A port on 127.0.0.1 free a moment ago (the OS picks it), for a test or
-/// benchmark to bind or hand to a process.
+/// benchmark to bind or hand to a process, and never handed out before by
+/// this process: the OS may offer a port again once its probe is closed,
+/// and two ports of one process came out equal (the reference EPP's health
+/// and metrics servers, in CI: `bind: address already in use`).
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static HANDED_OUT: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
+    for _ in 0..100 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        if handed_out.insert(port) {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        "the OS offered only ports already handed out",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_port_never_hands_out_a_port_twice() {
+        let ports: Vec<u16> = (0..500).map(|_| free_port().unwrap()).collect();
+        let distinct: BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len());
+    }
 }
