@@ -974,8 +974,8 @@ async fn a_replica_is_not_seeded_where_it_would_evict_reused_prefixes() {
 /// The idle Pod of [`queued_prefix_case`] with a KV cache of 8,000 tokens
 /// (500 blocks of the prefix index), filled by two prompts of 250 and 265
 /// blocks each sent `sends` times: the second pushes blocks out, so only
-/// those sent again count as reused (until a cache first fills, every
-/// block counts, see `PrefixCache::growth`).
+/// those sent again count as reused (until a cache first pushes a block
+/// out, every block counts, see `PrefixCache::growth`).
 struct IdleCache {
     sends: usize,
 }
@@ -1140,7 +1140,7 @@ async fn a_new_group_goes_where_its_working_set_fits() {
 }
 
 /// Requests on [`ONE_GROUP`]'s engine when the fourth group arrives.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Load {
     running: f64,
     waiting: f64,
@@ -1151,16 +1151,12 @@ struct Load {
 async fn new_group_case(route: &str, load: Load) -> String {
     use kinference_epp::endpoints::ScrapedMetrics;
     let epp = epp_over_pods(route, &[TWO_GROUPS, ONE_GROUP]);
-    let scrape = |load: &Load| {
+    let scrape = |load: Load| {
         for ep in epp.registry().endpoints() {
-            let idle = Load {
-                running: 0.0,
-                waiting: 0.0,
-            };
             let load = if ep.address() == ONE_GROUP {
                 load
             } else {
-                &idle
+                Load::default()
             };
             let m = ScrapedMetrics {
                 running: load.running,
@@ -1172,10 +1168,7 @@ async fn new_group_case(route: &str, load: Load) -> String {
             epp.registry().set_metrics(&ep.name, m);
         }
     };
-    scrape(&Load {
-        running: 0.0,
-        waiting: 0.0,
-    });
+    scrape(Load::default());
     let client = serve_without_scraper(&epp).await;
     let ask = |group: &str, only: Option<&str>| {
         let body = json!({
@@ -1205,6 +1198,6 @@ async fn new_group_case(route: &str, load: Load) -> String {
         poll_until(100, || state.prefix.len() >= blocks).await;
         assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
     }
-    scrape(&load);
+    scrape(load);
     ask("Fourth group.", None).await
 }
