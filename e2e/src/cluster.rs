@@ -18,11 +18,14 @@
 //! create Pods and then set their `status` themselves (see
 //! `tests/cluster_smoke.rs`).
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read as _, Write as _};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -31,7 +34,6 @@ use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kinference_testbed::free_port;
 use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, ResourceExt as _};
@@ -1040,6 +1042,23 @@ fn unique_u64() -> u64 {
         ^ COUNTER
             .fetch_add(1, Ordering::Relaxed)
             .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A loopback TCP port that is free now and was not handed out before in this
+/// process (so parallel clusters never pick the same one).
+fn free_port() -> Result<u16> {
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    for _ in 0..100 {
+        let port = TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port();
+        if HANDED_OUT
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port)
+        {
+            return Ok(port);
+        }
+    }
+    bail!("no free loopback port found")
 }
 
 /// A uniquely named directory under the system temp dir, removed on drop

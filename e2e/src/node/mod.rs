@@ -38,7 +38,6 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kinference_testbed::free_port;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -665,6 +664,12 @@ async fn admin_client_at(kubeconfig: &Path, address: std::net::SocketAddr) -> Re
     .await?;
     config.cluster_url = format!("https://{address}").parse()?;
     Ok(Client::try_from(config)?)
+}
+
+/// A free loopback TCP port (the kubelet's and controllers' serving ports).
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+    Ok(listener.local_addr()?.port())
 }
 
 fn unique_suffix() -> u64 {
