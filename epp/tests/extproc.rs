@@ -878,9 +878,10 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
         .replace_all(endpoints_from_specs(specs).unwrap());
     epp.registry().mark_synced();
     // One scrape, all idle; no scraper runs during the burst.
+    let before_the_burst = std::time::Instant::now();
     for ep in epp.registry().endpoints() {
         epp.registry()
-            .set_metrics(&ep.name, ScrapedMetrics::empty(std::time::Instant::now()));
+            .set_metrics(&ep.name, ScrapedMetrics::empty(before_the_burst));
     }
     let client = serve_without_scraper(&epp).await;
     // 40 streams held open: requests in flight at their model servers.
@@ -901,8 +902,14 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     }
     assert_eq!(landed.len(), 4, "{landed:?}");
     assert!(landed.values().all(|&n| n == 10), "{landed:?}");
-    // A scrape that shows the load takes over from the reservations.
     let first = epp.registry().endpoints()[0].name.clone();
+    let state = epp.registry().state_at(&addresses[0]).unwrap();
+    // A scrape sent before the burst, answered only now, cannot show it.
+    epp.registry()
+        .set_metrics(&first, ScrapedMetrics::empty(before_the_burst));
+    assert_eq!(state.stats.unscraped(), 10);
+    // A scrape sent after the burst shows its load and takes over from the
+    // reservations.
     epp.registry().set_metrics(
         &first,
         ScrapedMetrics {
@@ -910,7 +917,6 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
             ..ScrapedMetrics::empty(std::time::Instant::now())
         },
     );
-    let state = epp.registry().state_at(&addresses[0]).unwrap();
     assert_eq!(state.stats.unscraped(), 0);
     assert_eq!(state.stats.running(), 10);
     drop(open);

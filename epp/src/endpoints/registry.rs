@@ -102,13 +102,17 @@ pub struct ScrapedMetrics {
     /// Number of KV-cache blocks on the GPU (vLLM `cache_config_info`), if
     /// exposed.
     pub num_gpu_blocks: Option<u64>,
-    /// When the scrape that produced these values finished.
+    /// When the scrape that produced these values finished: they are fresh
+    /// from then until the registry's staleness has passed.
     pub scraped_at: Instant,
+    /// When that scrape was sent: the values show every request the server
+    /// had by then.
+    pub sent_at: Instant,
 }
 
 impl ScrapedMetrics {
-    /// All-zero metrics stamped `scraped_at`; handy for tests and
-    /// struct-update syntax.
+    /// All-zero metrics of a scrape sent and finished at `scraped_at`; handy
+    /// for tests and struct-update syntax.
     pub fn empty(scraped_at: Instant) -> Self {
         Self {
             waiting: 0.0,
@@ -120,6 +124,7 @@ impl ScrapedMetrics {
             block_size: None,
             num_gpu_blocks: None,
             scraped_at,
+            sent_at: scraped_at,
         }
     }
 }
@@ -383,8 +388,7 @@ impl EndpointRegistry {
     /// Records fresh metrics for an endpoint; ignored for unknown names.
     pub fn set_metrics(&self, name: &str, m: ScrapedMetrics) {
         if let Some(slot) = self.table.load().get(name) {
-            slot.scraped(m);
-            self.bump(false);
+            self.scraped(slot, m);
         }
     }
 
@@ -396,8 +400,7 @@ impl EndpointRegistry {
             && slot.endpoint.ip == address.ip
             && slot.endpoint.port == address.port
         {
-            slot.scraped(m);
-            self.bump(false);
+            self.scraped(slot, m);
         }
     }
 
@@ -430,6 +433,16 @@ impl EndpointRegistry {
     /// is added, changed or removed (not on metrics updates).
     pub fn changed(&self) -> watch::Receiver<u64> {
         self.generation.subscribe()
+    }
+
+    /// The new values are stored first and the reservations they take over
+    /// from released after, so that no decision in between sees the old
+    /// values without the reservations.
+    fn scraped(&self, slot: &Slot, m: ScrapedMetrics) {
+        let (blocks, block_size, sent_at) = (m.num_gpu_blocks, m.block_size, m.sent_at);
+        slot.metrics.store(Some(Arc::new(m)));
+        self.bump(false);
+        slot.state.scraped(blocks, block_size, sent_at);
     }
 
     fn bump(&self, endpoints_changed: bool) {
@@ -493,13 +506,6 @@ impl EndpointRegistry {
             .filter(|s| s.endpoint.ip == ip)
             .map(|s| Arc::clone(&s.state))
             .collect()
-    }
-}
-
-impl Slot {
-    fn scraped(&self, m: ScrapedMetrics) {
-        self.state.scraped(m.num_gpu_blocks, m.block_size);
-        self.metrics.store(Some(Arc::new(m)));
     }
 }
 

@@ -524,6 +524,7 @@ impl EngineAcc {
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             scraped_at,
+            sent_at: scraped_at,
         }
     }
 }
@@ -866,6 +867,7 @@ async fn scrape_url(
     url: &str,
     timeout: Duration,
 ) -> Result<ScrapedMetrics, ScrapeError> {
+    let sent = Instant::now();
     let body = client
         .get(url)
         .timeout(timeout)
@@ -879,10 +881,12 @@ async fn scrape_url(
         .error_for_status()?
         .text()
         .await?;
-    metrics_from_exposition(&body, Instant::now()).ok_or(ScrapeError {
+    let mut metrics = metrics_from_exposition(&body, Instant::now()).ok_or(ScrapeError {
         reason: FailureReason::Parse,
         source: None,
-    })
+    })?;
+    metrics.sent_at = sent;
+    Ok(metrics)
 }
 
 #[cfg(test)]

@@ -125,13 +125,14 @@ impl CandidateSet {
                 index_block: units.per_estimated_block,
             };
             let live = state.stats.snapshot(now);
-            // Requests picked since the last scrape are load the metrics do
-            // not show yet: without them a burst ties every endpoint at the
-            // same stale values and lands on the first. For the TTFT
-            // prediction they count as running, not queued: a server with
-            // free batch slots starts them at once, and pricing each as a
-            // full queue wait pushed requests away from their cached prefix.
-            let unscraped = state.stats.unscraped() as f64;
+            // Requests picked since the last scrape was sent are load the
+            // metrics do not show yet: without them a burst ties every
+            // endpoint at the same stale values and lands on the first. For
+            // the TTFT prediction they count as running, not queued: a
+            // server with free batch slots starts them at once, and pricing
+            // each as a full queue wait pushed requests away from their
+            // cached prefix.
+            let unscraped = live.unscraped as f64;
             let load = view.metrics.as_ref().map(|m| {
                 (
                     m.waiting + unscraped,

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
 
 use super::prefix::{DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, blocks_for_kv_cache};
 use super::routed::RoutedPrefixes;
@@ -94,10 +95,11 @@ impl DestinationState {
         self.usage_unasked.store(reported, Ordering::Relaxed);
     }
 
-    /// New metrics of the destination: sizes the prefix cache like the
-    /// server's KV cache when the metrics say how large it is, and releases
-    /// the load reserved for requests the metrics now include.
-    pub fn scraped(&self, num_gpu_blocks: Option<u64>, block_size: Option<u32>) {
+    /// New metrics of the destination, from a scrape sent at `sent`: sizes
+    /// the prefix cache like the server's KV cache when the metrics say how
+    /// large it is, and releases the load reserved for requests the metrics
+    /// now include.
+    pub fn scraped(&self, num_gpu_blocks: Option<u64>, block_size: Option<u32>, sent: Instant) {
         if let (Some(blocks), Some(size)) = (num_gpu_blocks, block_size)
             && blocks > 0
             && size > 0
@@ -116,7 +118,7 @@ impl DestinationState {
             self.kv
                 .set_capacity(usize::try_from(blocks).unwrap_or(usize::MAX));
         }
-        self.stats.note_scrape();
+        self.stats.note_scrape(sent);
     }
 }
 
@@ -136,30 +138,30 @@ mod tests {
     #[test]
     fn the_prefix_cache_follows_the_learnt_ratio_only_when_it_moved() {
         let state = DestinationState::new(&DestinationConfig::default());
-        state.scraped(Some(1024), Some(16));
+        state.scraped(Some(1024), Some(16), Instant::now());
         assert_eq!(state.prefix.capacity(), 1024);
         // 3% fewer engine tokens: not worth a rebuild.
         for _ in 0..100 {
             state.engine_tokens.observe(1000, 970);
         }
-        state.scraped(Some(1024), Some(16));
+        state.scraped(Some(1024), Some(16), Instant::now());
         assert_eq!(state.prefix.capacity(), 1024);
         // 0.62 as many (the simulator's dummy tokenizer): 1 / 0.62 the text.
         for _ in 0..100 {
             state.engine_tokens.observe(1000, 620);
         }
-        state.scraped(Some(1024), Some(16));
+        state.scraped(Some(1024), Some(16), Instant::now());
         let coarse = state.prefix.capacity();
         assert!((1640..1660).contains(&coarse), "{coarse}");
         // A cache 2% larger is a new cache: followed at once.
-        state.scraped(Some(1044), Some(16));
+        state.scraped(Some(1044), Some(16), Instant::now());
         assert!(state.prefix.capacity() > coarse);
     }
 
     #[test]
     fn a_first_scrape_near_the_default_size_is_followed() {
         let state = DestinationState::new(&DestinationConfig::default());
-        state.scraped(Some(16_000), Some(16));
+        state.scraped(Some(16_000), Some(16), Instant::now());
         assert_eq!(state.prefix.capacity(), 16_000);
     }
 }

@@ -34,6 +34,7 @@
 //! [`DestSnapshot::breaker_open`].
 
 use super::sync::lock;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -85,6 +86,8 @@ pub struct DestSnapshot {
     pub error_rate: f64,
     /// Requests in flight from this EPP.
     pub running: u64,
+    /// Of those, the ones no scrape can have shown yet.
+    pub unscraped: u64,
     pub breaker_open: bool,
 }
 
@@ -94,6 +97,7 @@ impl Default for DestSnapshot {
             observed_ttft: None,
             error_rate: 0.0,
             running: 0,
+            unscraped: 0,
             breaker_open: false,
         }
     }
@@ -146,6 +150,52 @@ struct Inner {
     consecutive_failures: u32,
     breaker: Breaker,
     last_activity: Option<Instant>,
+    reserved: Reservations,
+}
+
+/// When each request in flight that no scrape can have shown yet was
+/// picked, oldest first. Bounded by the requests in flight.
+#[derive(Debug, Default)]
+struct Reservations {
+    picked: VecDeque<Instant>,
+    /// Picks at or before this were shown by a scrape.
+    shown_through: Option<Instant>,
+}
+
+impl Reservations {
+    fn is_shown(&self, picked: Instant) -> bool {
+        self.shown_through.is_some_and(|t| picked <= t)
+    }
+
+    fn reserve(&mut self, picked: Instant) {
+        if self.is_shown(picked) {
+            return;
+        }
+        // Callers take `now` on their own threads, so picks may arrive a
+        // little out of order; keep them sorted.
+        let at = self.picked.partition_point(|&p| p <= picked);
+        self.picked.insert(at, picked);
+    }
+
+    fn release(&mut self, picked: Instant) {
+        if self.is_shown(picked) {
+            return;
+        }
+        let at = self.picked.partition_point(|&p| p < picked);
+        if self.picked.get(at) == Some(&picked) {
+            self.picked.remove(at);
+        }
+    }
+
+    fn show_through(&mut self, t: Instant) {
+        if self.shown_through.is_some_and(|s| s >= t) {
+            return;
+        }
+        self.shown_through = Some(t);
+        while self.picked.front().is_some_and(|&p| p <= t) {
+            self.picked.pop_front();
+        }
+    }
 }
 
 /// Live statistics of one destination, owned by its registry slot (a
@@ -153,11 +203,6 @@ struct Inner {
 /// it: a new Pod on a dead Pod's address starts clean.
 pub struct DestStats {
     inflight: AtomicU64,
-    /// Bumped by every scrape of the destination's metrics.
-    scrape_epoch: AtomicU64,
-    /// Requests picked since the last scrape and still in flight: the load
-    /// the scraped metrics cannot show yet.
-    unscraped: AtomicU64,
     inner: Mutex<Inner>,
     cfg: StatsConfig,
 }
@@ -196,6 +241,7 @@ impl Inner {
             observed_ttft,
             error_rate,
             running,
+            unscraped: self.reserved.picked.len() as u64,
             breaker_open,
         }
     }
@@ -267,14 +313,13 @@ impl DestStats {
     pub fn new(cfg: StatsConfig) -> Self {
         DestStats {
             inflight: AtomicU64::new(0),
-            scrape_epoch: AtomicU64::new(0),
-            unscraped: AtomicU64::new(0),
             inner: Mutex::new(Inner {
                 ttft: Decayed::default(),
                 errors: Decayed::default(),
                 consecutive_failures: 0,
                 breaker: Breaker::Closed,
                 last_activity: None,
+                reserved: Reservations::default(),
             }),
             cfg,
         }
@@ -282,34 +327,39 @@ impl DestStats {
 
     /// A request was routed here: counts it in flight until the guard is
     /// dropped (so an aborted stream cannot leak a count), reserves its place
-    /// in the load estimates until the next scrape shows it, and claims the
+    /// in the load estimates until a scrape shows it, and claims the
     /// breaker's probe slot if it is half-open.
     pub fn begin(self: &Arc<Self>, now: Instant) -> InflightGuard {
-        let epoch = self.scrape_epoch.load(Ordering::Acquire);
         self.inflight.fetch_add(1, Ordering::Relaxed);
-        self.unscraped.fetch_add(1, Ordering::AcqRel);
-        let probe = lock(&self.inner).begin(now);
+        let probe = {
+            let mut inner = lock(&self.inner);
+            inner.reserved.reserve(now);
+            inner.begin(now)
+        };
         InflightGuard {
             dest: Arc::clone(self),
-            epoch,
+            picked: now,
             probe,
             finished: false,
         }
     }
 
-    /// Fresh metrics arrived: from now on they include every request in
-    /// flight, so the reservations are released. (A request begun while the
-    /// scrape was recorded may stay reserved until the next scrape: harmless.)
-    pub fn note_scrape(&self) {
-        self.scrape_epoch.fetch_add(1, Ordering::AcqRel);
-        self.unscraped.store(0, Ordering::Release);
+    /// Fresh metrics arrived from a scrape sent at `sent`: they show the
+    /// requests picked before it, whose reservations are released. A pick
+    /// made while the scrape was under way stays reserved, or the next
+    /// decision would see it nowhere. (A request picked just before the
+    /// scrape was sent may reach the engine just after it; that window is
+    /// the gateway's forwarding time, and waiting it out would count every
+    /// other request twice until the next scrape.)
+    pub fn note_scrape(&self, sent: Instant) {
+        lock(&self.inner).reserved.show_through(sent);
     }
 
-    /// Requests picked since the last scrape and still in flight. Added to the
+    /// Requests in flight that no scrape can have shown yet. Added to the
     /// scraped queue and running counts, so a burst that arrives within one
     /// scrape interval spreads instead of tying at the same stale values.
     pub fn unscraped(&self) -> u64 {
-        self.unscraped.load(Ordering::Acquire)
+        lock(&self.inner).reserved.picked.len() as u64
     }
 
     /// Records a TTFT sample (time to first byte/token of the response).
@@ -361,8 +411,8 @@ impl Default for DestStats {
 /// when the stream is aborted) decrements `RunningRequests`.
 pub struct InflightGuard {
     dest: Arc<DestStats>,
-    /// The destination's scrape epoch when the request began.
-    epoch: u64,
+    /// When the request was picked: its reservation's key.
+    picked: Instant,
     probe: bool,
     finished: bool,
 }
@@ -405,24 +455,18 @@ impl InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.dest.inflight.fetch_sub(1, Ordering::Relaxed);
-        if self.dest.scrape_epoch.load(Ordering::Acquire) == self.epoch {
-            // Not scraped since it began: release its reservation.
-            let _ = self
-                .dest
-                .unscraped
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-        }
-        if self.probe && !self.finished {
-            let mut inner = lock(&self.dest.inner);
-            if inner.breaker
+        let mut inner = lock(&self.dest.inner);
+        inner.reserved.release(self.picked);
+        if self.probe
+            && !self.finished
+            && inner.breaker
                 == (Breaker::HalfOpen {
                     probe_in_flight: true,
                 })
-            {
-                inner.breaker = Breaker::HalfOpen {
-                    probe_in_flight: false,
-                };
-            }
+        {
+            inner.breaker = Breaker::HalfOpen {
+                probe_in_flight: false,
+            };
         }
     }
 }
@@ -557,20 +601,50 @@ mod tests {
     #[test]
     fn picks_are_reserved_until_a_scrape_shows_them() {
         let st = Arc::new(DestStats::default());
+        let ms = |n: u64| Duration::from_millis(n);
         let t0 = Instant::now();
         let g1 = st.begin(t0);
-        let g2 = st.begin(t0);
+        let g2 = st.begin(t0 + ms(5));
         assert_eq!(st.unscraped(), 2, "two picks the metrics cannot show yet");
         drop(g1);
         assert_eq!(st.unscraped(), 1, "a finished request releases its place");
-        st.note_scrape();
-        assert_eq!(st.unscraped(), 0, "the scrape counts g2 now");
-        let g3 = st.begin(t0);
+        st.note_scrape(t0 + ms(4));
+        assert_eq!(
+            st.unscraped(),
+            1,
+            "a scrape sent before g2 was picked, answered after, cannot show it"
+        );
+        st.note_scrape(t0 + ms(6));
+        assert_eq!(st.unscraped(), 0, "a scrape sent after g2's pick shows it");
+        let g3 = st.begin(t0 + ms(7));
         drop(g2);
         assert_eq!(st.unscraped(), 1, "g2 ending does not release g3's place");
+        st.note_scrape(t0 + ms(5));
+        assert_eq!(st.unscraped(), 1, "an older scrape shows nothing new");
         drop(g3);
         assert_eq!(st.unscraped(), 0);
         assert_eq!(st.running(), 0);
+    }
+
+    #[test]
+    fn picks_out_of_order_are_released_by_their_own_guards() {
+        let st = Arc::new(DestStats::default());
+        let ms = |n: u64| Duration::from_millis(n);
+        let t0 = Instant::now() + ms(100);
+        let late = st.begin(t0 + ms(20));
+        let early = st.begin(t0);
+        let same = st.begin(t0);
+        assert_eq!(st.unscraped(), 3);
+        st.note_scrape(t0 + ms(10));
+        assert_eq!(st.unscraped(), 1, "only the pick 20 ms in is unshown");
+        drop(early);
+        drop(same);
+        assert_eq!(st.unscraped(), 1, "shown picks ending leave it reserved");
+        let before_the_scrape = st.begin(t0 - ms(1));
+        assert_eq!(st.unscraped(), 1, "a pick the last scrape covers is shown");
+        drop(before_the_scrape);
+        drop(late);
+        assert_eq!(st.unscraped(), 0);
     }
 
     #[test]
