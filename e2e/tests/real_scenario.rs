@@ -706,6 +706,8 @@ impl Scenario {
 /// the chosen Pod dialled at its IP.
 struct Gateway {
     envoy: Envoy,
+    /// The EPP Service's ClusterIP and port, as Envoy dials it.
+    epp: SocketAddr,
     request: SmokeRequest,
 }
 
@@ -717,6 +719,7 @@ impl Gateway {
         let envoy = Envoy::start(&bootstrap).await?;
         Ok(Self {
             envoy,
+            epp,
             request: SmokeRequest::read()?,
         })
     }
@@ -733,11 +736,18 @@ impl Gateway {
             if sent.status != 500 {
                 return Ok(());
             }
-            ensure!(
-                Instant::now() < deadline,
-                "Envoy still answers 500 after 60 s: {}",
-                sent.body
-            );
+            if Instant::now() >= deadline {
+                // Why Envoy could not reach the EPP: its ext_proc cluster's
+                // connection counters and log, and what the ClusterIP's
+                // rules were.
+                bail!(
+                    "Envoy still answers 500 after 60 s: {:?} ({:?})\n{}\n{}",
+                    sent.body,
+                    self.envoy.access(&sent.id),
+                    self.state().await,
+                    service_rules(self.epp)
+                );
+            }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
@@ -835,6 +845,29 @@ impl Gateway {
         }
         Ok(all)
     }
+}
+
+/// kube-proxy's iptables rules that mention the EPP Service (its ClusterIP
+/// or its name), for an error message.
+fn service_rules(epp: SocketAddr) -> String {
+    let ip = epp.ip().to_string();
+    let mut rules = String::from("iptables rules of the EPP Service:\n");
+    for table in ["nat", "filter"] {
+        match std::process::Command::new("iptables-save")
+            .args(["-t", table])
+            .output()
+        {
+            Ok(out) => String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.contains(&ip) || l.contains("chat-epp"))
+                .for_each(|l| {
+                    rules.push_str(l);
+                    rules.push('\n');
+                }),
+            Err(e) => rules.push_str(&format!("iptables-save -t {table}: {e}\n")),
+        }
+    }
+    rules
 }
 
 /// The EPP as the InferencePool names it: its Service's ClusterIP and the
