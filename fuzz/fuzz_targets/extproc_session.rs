@@ -556,7 +556,7 @@ fn set_loads(epp: &Epp, loads: &[Option<Load>; 4]) {
                 max_lora: l.max_lora,
                 block_size: l.block_size,
                 num_gpu_blocks: l.num_gpu_blocks,
-                scraped_at: now,
+                ..ScrapedMetrics::empty(now)
             },
             None => ScrapedMetrics::empty(stale),
         };
