@@ -435,9 +435,12 @@ impl EndpointRegistry {
         self.generation.subscribe()
     }
 
-    /// The new values are stored first and the reservations they take over
-    /// from released after, so that no decision in between sees the old
-    /// values without the reservations.
+    /// The new values are stored before the reservations they take over
+    /// from are released. A decision reads its endpoints' values when it
+    /// starts and their reservations a few microseconds later, so one that
+    /// spans this call may still see the old values without the
+    /// reservations: that window is those microseconds, not a scrape's
+    /// round trip.
     fn scraped(&self, slot: &Slot, m: ScrapedMetrics) {
         let (blocks, block_size, sent_at) = (m.num_gpu_blocks, m.block_size, m.sent_at);
         slot.metrics.store(Some(Arc::new(m)));
