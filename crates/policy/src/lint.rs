@@ -318,11 +318,13 @@ fn empty_tier(
     }
 }
 
-/// Ranking by a metric scraped every few hundred milliseconds: between two
+/// Ranking by KV-cache use, which only a scrape updates: between two
 /// scrapes every candidate keeps its value, and ties go to the first in rank
-/// order, so a burst lands on one candidate.
+/// order, so a burst lands on one candidate. (`QueueDepth` is not warned
+/// about: the EPP adds the requests it picked since a scrape was sent to
+/// it, so a burst spreads.)
 fn burst_on_scraped_metric(rule: &Rule, tier: &Tier, path: &str, out: &mut Vec<Warning>) {
-    let Rank::Minimize(m @ (Metric::QueueDepth | Metric::KvCacheUtilization)) = tier.rank else {
+    let Rank::Minimize(m @ Metric::KvCacheUtilization) = tier.rank else {
         return;
     };
     if rule.route.tie_break == TieBreak::RankOrder {

@@ -182,13 +182,13 @@ fn an_order_naming_nothing_considered_is_always_empty() {
 }
 
 #[test]
-fn minimizing_a_scraped_metric_without_a_tie_break_sends_bursts_to_one_candidate() {
+fn minimizing_kv_cache_use_without_a_tie_break_sends_bursts_to_one_candidate() {
     let rules = format!(
-        "  - name: queue
+        "  - name: kv
     matches: [{{ tenant: a }}]
     route:
       consider: [{{ backends: {{ type: Local }} }}]
-      select: [{{ minimize: QueueDepth }}]
+      select: [{{ minimize: KVCacheUtilization }}]
 {USES_PII}"
     );
     let ws = lint(&rules);
@@ -199,10 +199,13 @@ fn minimizing_a_scraped_metric_without_a_tie_break_sends_bursts_to_one_candidate
         ws[0].fix
     );
     let fixed = rules.replace(
-        "select: [{ minimize: QueueDepth }]",
-        "select: [{ minimize: QueueDepth }]\n      tieBreak: Random",
+        "select: [{ minimize: KVCacheUtilization }]",
+        "select: [{ minimize: KVCacheUtilization }]\n      tieBreak: Random",
     );
     assert_eq!(lines(&lint(&fixed)), Vec::<String>::new());
+    // The EPP counts its own picks in QueueDepth between scrapes: no tie.
+    let queue = rules.replace("KVCacheUtilization", "QueueDepth");
+    assert_eq!(lines(&lint(&queue)), Vec::<String>::new());
 }
 
 #[test]
