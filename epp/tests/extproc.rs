@@ -112,7 +112,9 @@ async fn poll_until(tries: usize, mut done: impl FnMut() -> bool) {
 }
 
 /// An EPP whose one rule, `fast`, routes by `route` over `pods`, each
-/// serving `qwen`; no scraper: the tests set the metrics.
+/// serving `qwen`; no scraper: the tests set the metrics, which its 60 s
+/// interval keeps fresh for the whole test (staleness: 3 intervals),
+/// however slow the machine.
 fn epp_over_pods(route: &str, pods: &[&str]) -> Epp {
     let epp = Epp::new(Settings {
         scrape_interval: Duration::from_secs(60),
@@ -861,22 +863,13 @@ async fn prefix_locality_sends_a_shared_prefix_back_to_its_endpoint() {
 #[tokio::test]
 async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     use kinference_epp::endpoints::ScrapedMetrics;
-    // Metrics stay fresh for the whole test (staleness: 3 intervals), however
-    // slow the machine.
-    let epp = Epp::new(Settings {
-        scrape_interval: Duration::from_secs(60),
-        ..Settings::default()
-    });
-    epp.policy()
-        .load_text(&format!("{POOL}{LEAST_QUEUE}"))
-        .expect("policy compiles");
-    let addresses: Vec<String> = (1..=4).map(|i| format!("10.0.0.{i}:8000")).collect();
-    let specs = addresses
-        .iter()
-        .map(|a| EndpointSpec::new(a.clone(), &["qwen"]));
-    epp.registry()
-        .replace_all(endpoints_from_specs(specs).unwrap());
-    epp.registry().mark_synced();
+    let addresses = [
+        "10.0.0.1:8000",
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+        "10.0.0.4:8000",
+    ];
+    let epp = epp_over_pods("route: { select: [{ minimize: QueueDepth }] }", &addresses);
     // One scrape, all idle; no scraper runs during the burst.
     let before_the_burst = std::time::Instant::now();
     for ep in epp.registry().endpoints() {
@@ -903,7 +896,7 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     assert_eq!(landed.len(), 4, "{landed:?}");
     assert!(landed.values().all(|&n| n == 10), "{landed:?}");
     let first = epp.registry().endpoints()[0].name.clone();
-    let state = epp.registry().state_at(&addresses[0]).unwrap();
+    let state = epp.registry().state_at(addresses[0]).unwrap();
     // A scrape sent before the burst, answered only now, cannot show it.
     epp.registry()
         .set_metrics(&first, ScrapedMetrics::empty(before_the_burst));
