@@ -900,7 +900,10 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
     // A scrape sent before the burst, answered only now, cannot show it.
     epp.registry()
         .set_metrics(&first, ScrapedMetrics::empty(before_the_burst));
-    assert_eq!(state.stats.unscraped(), 10);
+    assert_eq!(
+        state.stats.snapshot(std::time::Instant::now()).unscraped,
+        10
+    );
     // A scrape sent after the burst shows its load and takes over from the
     // reservations.
     epp.registry().set_metrics(
@@ -910,7 +913,7 @@ async fn a_burst_between_scrapes_spreads_over_the_endpoints() {
             ..ScrapedMetrics::empty(std::time::Instant::now())
         },
     );
-    assert_eq!(state.stats.unscraped(), 0);
+    assert_eq!(state.stats.snapshot(std::time::Instant::now()).unscraped, 0);
     assert_eq!(state.stats.running(), 10);
     drop(open);
 }

@@ -355,13 +355,6 @@ impl DestStats {
         lock(&self.inner).reserved.show_through(sent);
     }
 
-    /// Requests in flight that no scrape can have shown yet. Added to the
-    /// scraped queue and running counts, so a burst that arrives within one
-    /// scrape interval spreads instead of tying at the same stale values.
-    pub fn unscraped(&self) -> u64 {
-        lock(&self.inner).reserved.picked.len() as u64
-    }
-
     /// Records a TTFT sample (time to first byte/token of the response).
     pub fn record_ttft(&self, ttft: Duration, now: Instant) {
         lock(&self.inner).record_ttft(&self.cfg, ttft, now);
@@ -474,6 +467,11 @@ impl Drop for InflightGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The snapshot's count of picks no scrape can have shown yet.
+    fn unscraped(st: &DestStats) -> u64 {
+        st.snapshot(Instant::now()).unscraped
+    }
 
     fn secs(s: f64) -> Duration {
         Duration::from_secs_f64(s)
@@ -605,24 +603,24 @@ mod tests {
         let t0 = Instant::now();
         let g1 = st.begin(t0);
         let g2 = st.begin(t0 + ms(5));
-        assert_eq!(st.unscraped(), 2, "two picks the metrics cannot show yet");
+        assert_eq!(unscraped(&st), 2, "two picks the metrics cannot show yet");
         drop(g1);
-        assert_eq!(st.unscraped(), 1, "a finished request releases its place");
+        assert_eq!(unscraped(&st), 1, "a finished request releases its place");
         st.note_scrape(t0 + ms(4));
         assert_eq!(
-            st.unscraped(),
+            unscraped(&st),
             1,
             "a scrape sent before g2 was picked, answered after, cannot show it"
         );
         st.note_scrape(t0 + ms(6));
-        assert_eq!(st.unscraped(), 0, "a scrape sent after g2's pick shows it");
+        assert_eq!(unscraped(&st), 0, "a scrape sent after g2's pick shows it");
         let g3 = st.begin(t0 + ms(7));
         drop(g2);
-        assert_eq!(st.unscraped(), 1, "g2 ending does not release g3's place");
+        assert_eq!(unscraped(&st), 1, "g2 ending does not release g3's place");
         st.note_scrape(t0 + ms(5));
-        assert_eq!(st.unscraped(), 1, "an older scrape shows nothing new");
+        assert_eq!(unscraped(&st), 1, "an older scrape shows nothing new");
         drop(g3);
-        assert_eq!(st.unscraped(), 0);
+        assert_eq!(unscraped(&st), 0);
         assert_eq!(st.running(), 0);
     }
 
@@ -634,17 +632,17 @@ mod tests {
         let late = st.begin(t0 + ms(20));
         let early = st.begin(t0);
         let same = st.begin(t0);
-        assert_eq!(st.unscraped(), 3);
+        assert_eq!(unscraped(&st), 3);
         st.note_scrape(t0 + ms(10));
-        assert_eq!(st.unscraped(), 1, "only the pick 20 ms in is unshown");
+        assert_eq!(unscraped(&st), 1, "only the pick 20 ms in is unshown");
         drop(early);
         drop(same);
-        assert_eq!(st.unscraped(), 1, "shown picks ending leave it reserved");
+        assert_eq!(unscraped(&st), 1, "shown picks ending leave it reserved");
         let before_the_scrape = st.begin(t0 - ms(1));
-        assert_eq!(st.unscraped(), 1, "a pick the last scrape covers is shown");
+        assert_eq!(unscraped(&st), 1, "a pick the last scrape covers is shown");
         drop(before_the_scrape);
         drop(late);
-        assert_eq!(st.unscraped(), 0);
+        assert_eq!(unscraped(&st), 0);
     }
 
     #[test]
@@ -670,7 +668,7 @@ mod tests {
         }
         for st in all.iter() {
             assert_eq!(st.running(), 0);
-            assert_eq!(st.unscraped(), 0);
+            assert_eq!(unscraped(st), 0);
             assert!(st.observed_ttft(Instant::now()).is_some());
         }
     }
