@@ -1086,13 +1086,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
     let group = ask(team, 13, None).await;
     scrape(2.0);
     let other_group = ask(other_team, 12, None).await;
-    let metrics = epp.picker.metrics.render(epp.registry(), None);
-    let seeds = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("kinference_epp_replica_seeds_total "))
-        .expect("the seeds are counted")
-        .parse()
-        .unwrap();
+    let seeds = replica_seeds(&epp);
     QueuedPrefixCase {
         untrained_group,
         lonely,
@@ -1151,38 +1145,18 @@ struct Load {
 /// Where [`a_new_group_goes_where_its_working_set_fits`]'s fourth group
 /// goes under `route` with `load` on [`ONE_GROUP`].
 async fn new_group_case(route: &str, load: Load) -> String {
-    use kinference_epp::endpoints::ScrapedMetrics;
     let epp = epp_over_pods(route, &[TWO_GROUPS, ONE_GROUP]);
-    let scrape = |load: Load| {
-        for ep in epp.registry().endpoints() {
-            let load = if ep.address() == ONE_GROUP {
-                load
-            } else {
-                Load::default()
-            };
-            let m = ScrapedMetrics {
-                running: load.running,
-                waiting: load.waiting,
-                num_gpu_blocks: Some(500),
-                block_size: Some(16),
-                ..ScrapedMetrics::empty(std::time::Instant::now())
-            };
-            epp.registry().set_metrics(&ep.name, m);
+    let loaded = |pod: &str| {
+        if pod == ONE_GROUP {
+            load
+        } else {
+            Load::default()
         }
     };
-    scrape(Load::default());
+    scrape_full_caches(&epp, |_| Load::default());
     let client = serve_without_scraper(&epp).await;
     let ask = |group: &str, only: Option<&str>| {
-        let body = json!({
-            "model": "qwen",
-            "messages": [
-                { "role": "system", "content": format!("{group:<64}").repeat(225) },
-                { "role": "user", "content": "Why?" }
-            ]
-        });
-        let mut request =
-            HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap());
-        request.subset = only.map(|a| vec![a.to_string()]);
+        let request = group_request(group, 225, 0, only);
         let client = &client;
         async move { primary_destination(client, &request).await }
     };
@@ -1200,6 +1174,123 @@ async fn new_group_case(route: &str, load: Load) -> String {
         poll_until(100, || state.prefix.len() >= blocks).await;
         assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
     }
-    scrape(load);
+    scrape_full_caches(&epp, loaded);
     ask("Fourth group.", None).await
+}
+
+/// Sets every Pod's metrics: the load `load_of` its address, and a KV
+/// cache of 8,000 tokens (500 blocks of the prefix index).
+fn scrape_full_caches(epp: &Epp, load_of: impl Fn(&str) -> Load) {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    for ep in epp.registry().endpoints() {
+        let load = load_of(&ep.address());
+        let m = ScrapedMetrics {
+            running: load.running,
+            waiting: load.waiting,
+            num_gpu_blocks: Some(500),
+            block_size: Some(16),
+            ..ScrapedMetrics::empty(std::time::Instant::now())
+        };
+        epp.registry().set_metrics(&ep.name, m);
+    }
+}
+
+/// A chat request whose system prompt is `group`'s, `blocks` blocks of the
+/// prefix index long, with question number `question`: restricted to `only`
+/// where given.
+fn group_request(group: &str, blocks: usize, question: usize, only: Option<&str>) -> HttpRequest {
+    let body = json!({
+        "model": "qwen",
+        "messages": [
+            { "role": "system", "content": format!("{group:<64}").repeat(blocks) },
+            { "role": "user", "content": format!("Question {question}?") }
+        ]
+    });
+    let mut request = HttpRequest::post("/v1/chat/completions", serde_json::to_vec(&body).unwrap());
+    request.subset = only.map(|a| vec![a.to_string()]);
+    request
+}
+
+const HOT: &str = "10.0.0.1:8000";
+const BESIDE_TWO: &str = "10.0.0.2:8000";
+const BESIDE_ONE: &str = "10.0.0.3:8000";
+
+/// A hot group's Pod has requests waiting, and a dozen earlier requests
+/// shared its prompt: it spreads (as in
+/// [`a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time`]).
+/// Two idle Pods could hold the replica, as cold as a pool's start: nothing
+/// was ever pushed out of them, so no block counts as reused and the
+/// replica would evict nothing reused now on either. One holds two other
+/// groups, the other one. Beside the two, the hot group would not fit by
+/// 100 blocks, and it and they would be prefilled again for as long as it
+/// stays: the replica goes beside the one, though the other is idle and
+/// it runs a request.
+#[tokio::test]
+async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let epp = epp_over_pods(route, &[HOT, BESIDE_TWO, BESIDE_ONE]);
+    scrape_full_caches(&epp, |_| Load::default());
+    let client = serve_without_scraper(&epp).await;
+    let ask = |group: &str, question: usize, only: Option<&str>| {
+        let request = group_request(group, 200, question, only);
+        let client = &client;
+        async move { primary_destination(client, &request).await }
+    };
+    for question in 0..12 {
+        assert_eq!(ask("The hot group.", question, Some(HOT)).await, HOT);
+    }
+    let placed = [
+        (BESIDE_TWO, "A second group."),
+        (BESIDE_ONE, "A third group."),
+        (BESIDE_TWO, "A fourth group."),
+    ];
+    for (pod, group) in placed {
+        assert_eq!(ask(group, 0, Some(pod)).await, pod);
+    }
+    // Each Pod's model learns from its own answers, so that the replica
+    // pays for a queue its engine reports.
+    for pod in [HOT, BESIDE_TWO, BESIDE_ONE] {
+        for i in 0..20 {
+            let request = group_request("Hi.", 0, i, Some(pod));
+            let (outcome, mut stream) = client.decide(&request).await.unwrap();
+            assert_eq!(outcome.destination(), Some(pod));
+            stream
+                .response_headers(200, Some(pod), Some(20.0))
+                .await
+                .unwrap();
+            stream.finish().await.unwrap();
+        }
+    }
+    // The index records a route beside its reply.
+    for (pod, blocks) in [(HOT, 200), (BESIDE_TWO, 400), (BESIDE_ONE, 200)] {
+        let state = epp.registry().state_at(pod).unwrap();
+        poll_until(100, || state.prefix.len() >= blocks).await;
+        assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
+    }
+    let queued = Load {
+        running: 0.0,
+        waiting: 2.0,
+    };
+    let one_running = Load {
+        running: 1.0,
+        waiting: 0.0,
+    };
+    scrape_full_caches(&epp, |pod| match pod {
+        HOT => queued,
+        BESIDE_ONE => one_running,
+        _ => Load::default(),
+    });
+    assert_eq!(ask("The hot group.", 12, None).await, BESIDE_ONE);
+    assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
+}
+
+/// Replicas the EPP has seeded, from its metrics.
+fn replica_seeds(epp: &Epp) -> u64 {
+    let metrics = epp.picker.metrics.render(epp.registry(), None);
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kinference_epp_replica_seeds_total "))
+        .expect("the seeds are counted")
+        .parse()
+        .unwrap()
 }

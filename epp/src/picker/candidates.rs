@@ -310,11 +310,9 @@ impl CandidateSet {
     /// without the load, it sent new groups to the one Pod with room, the
     /// one a hot group kept busy (BENCHMARKS, "Room for a new group"). So
     /// room decides between Pods whose loads are within a queued request,
-    /// and load beyond that. A replica's own price
-    /// (`share_replica_prefills`), where cheaper than the unpriced
-    /// prediction, replaces this one: it prices the evictions it makes
-    /// now. Only for a policy that ranks by `PredictedTTFT` and bounds it
-    /// nowhere, as for a replica.
+    /// and load beyond that. A replica's price (`share_replica_prefills`)
+    /// builds on this one. Only for a policy that ranks by `PredictedTTFT`
+    /// and bounds it nowhere, as for a replica.
     fn price_room(
         &mut self,
         picker: &Picker,
@@ -374,11 +372,16 @@ impl CandidateSet {
     /// A local candidate that lacks part of the prefix the best-cached one
     /// of its model holds is priced with that part's prefill divided among
     /// the recent requests that shared it (`predict::reuse`), plus the
-    /// prefill of the reused blocks its cache would evict for it: a hot
+    /// larger of what its cache pushes out for it: the reused blocks it
+    /// evicts now, or the room price's forecast (`price_room`). A hot
     /// group spreads once its Pod's queue costs more than its share of a
-    /// new replica, onto a Pod with room for it. Only for a policy that
-    /// ranks by `PredictedTTFT` and bounds it nowhere: an SLO on the
-    /// request's own TTFT must see its full prefill.
+    /// new replica, onto a Pod with room for it. At cold start nothing is
+    /// reused yet, so only the forecast tells a Pod that will hold the
+    /// group beside two others from one that must hold it beside three,
+    /// where it and they are prefilled again and again (BENCHMARKS, issue
+    /// 14). Only for a policy that ranks by `PredictedTTFT` and bounds it
+    /// nowhere: an SLO on the request's own TTFT must see its full
+    /// prefill.
     fn share_replica_prefills(
         &mut self,
         picker: &Picker,
@@ -438,8 +441,15 @@ impl CandidateSet {
             }
             let evicted = units.of_estimate(self.states[i].prefix.reused_evictions(hashes));
             let gap = best - prefix.cached_tokens;
-            let price = amortized + reuse::eviction_cost(predicted, at_best, gap, evicted);
-            if price < predicted {
+            let evicts_now = reuse::eviction_cost(predicted, at_best, gap, evicted);
+            // What the candidate costs as no replica: its room priced.
+            let unshared = self.candidates[i]
+                .metrics
+                .predicted_ttft
+                .unwrap_or(predicted);
+            let room = unshared - predicted;
+            let price = amortized + evicts_now.max(room);
+            if price < unshared {
                 self.candidates[i].metrics.predicted_ttft = Some(price);
                 self.seeds.push(i);
             }
