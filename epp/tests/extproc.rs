@@ -1218,13 +1218,14 @@ const BESIDE_ONE: &str = "10.0.0.3:8000";
 /// A hot group's Pod has requests waiting, and a dozen earlier requests
 /// shared its prompt: it spreads (as in
 /// [`a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time`]).
-/// Two idle Pods could hold the replica, as cold as a pool's start: nothing
-/// was ever pushed out of them, so no block counts as reused and the
-/// replica would evict nothing reused now on either. One holds two other
-/// groups, the other one. Beside the two, the hot group would not fit by
-/// 100 blocks, and it and they would be prefilled again for as long as it
-/// stays: the replica goes beside the one, though the other is idle and
-/// it runs a request.
+/// Two Pods with none waiting could hold the replica, as cold as a pool's
+/// start: each group there was sent once, so no block counts as reused
+/// and the replica would evict nothing reused now on either. One holds two
+/// other groups, the other one. Nothing was ever pushed out of their
+/// caches, so every block they hold counts as the working set: beside the
+/// two, the hot group would not fit by 100 blocks, and it and they would
+/// be prefilled again for as long as it stays. The replica goes beside
+/// the one, though that Pod runs a request and the other none.
 #[tokio::test]
 async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
     let route = "route: { select: [{ minimize: PredictedTTFT }] }";
@@ -1236,6 +1237,21 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
         let client = &client;
         async move { primary_destination(client, &request).await }
     };
+    // Each Pod's model learns from its own answers, so that the replica
+    // pays for a queue its engine reports.
+    for pod in [HOT, BESIDE_TWO, BESIDE_ONE] {
+        for i in 0..20 {
+            // A short prompt: no system prompt, only the question.
+            let request = group_request("", 0, i, Some(pod));
+            let (outcome, mut stream) = client.decide(&request).await.unwrap();
+            assert_eq!(outcome.destination(), Some(pod));
+            stream
+                .response_headers(200, Some(pod), Some(20.0))
+                .await
+                .unwrap();
+            stream.finish().await.unwrap();
+        }
+    }
     for question in 0..12 {
         assert_eq!(ask("The hot group.", question, Some(HOT)).await, HOT);
     }
@@ -1246,20 +1262,6 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
     ];
     for (pod, group) in placed {
         assert_eq!(ask(group, 0, Some(pod)).await, pod);
-    }
-    // Each Pod's model learns from its own answers, so that the replica
-    // pays for a queue its engine reports.
-    for pod in [HOT, BESIDE_TWO, BESIDE_ONE] {
-        for i in 0..20 {
-            let request = group_request("Hi.", 0, i, Some(pod));
-            let (outcome, mut stream) = client.decide(&request).await.unwrap();
-            assert_eq!(outcome.destination(), Some(pod));
-            stream
-                .response_headers(200, Some(pod), Some(20.0))
-                .await
-                .unwrap();
-            stream.finish().await.unwrap();
-        }
     }
     // The index records a route beside its reply.
     for (pod, blocks) in [(HOT, 200), (BESIDE_TWO, 400), (BESIDE_ONE, 200)] {

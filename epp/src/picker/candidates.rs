@@ -184,8 +184,8 @@ impl CandidateSet {
                 set.prefixes.push(Some(prefix));
             }
         }
-        set.price_room(picker, policy, &units, hashes);
-        set.share_replica_prefills(picker, policy, &units, hashes, now);
+        let rooms = set.price_room(picker, policy, &units, hashes);
+        set.share_replica_prefills(picker, policy, &units, hashes, &rooms, now);
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
             let live = state.stats.snapshot(now);
@@ -310,19 +310,22 @@ impl CandidateSet {
     /// without the load, it sent new groups to the one Pod with room, the
     /// one a hot group kept busy (BENCHMARKS, "Room for a new group"). So
     /// room decides between Pods whose loads are within a queued request,
-    /// and load beyond that. A replica's price (`share_replica_prefills`)
-    /// builds on this one. Only for a policy that ranks by `PredictedTTFT`
-    /// and bounds it nowhere, as for a replica.
+    /// and load beyond that. Only for a policy that ranks by
+    /// `PredictedTTFT` and bounds it nowhere, as for a replica.
+    ///
+    /// Returns each candidate's room price (0 where none), which a
+    /// replica's price (`share_replica_prefills`) builds on.
     fn price_room(
         &mut self,
         picker: &Picker,
         policy: &LoadedPolicy,
         units: &PromptUnits,
         hashes: &[u64],
-    ) {
+    ) -> Vec<f64> {
+        let mut rooms = vec![0.0; self.candidates.len()];
         let reads = &policy.compiled.reads;
         if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft || hashes.is_empty() {
-            return;
+            return rooms;
         }
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
         let cached_nowhere =
@@ -366,28 +369,35 @@ impl CandidateSet {
                 cost.min(queued * share)
             };
             self.candidates[i].metrics.predicted_ttft = Some(predicted + price);
+            rooms[i] = price;
         }
+        rooms
     }
 
     /// A local candidate that lacks part of the prefix the best-cached one
     /// of its model holds is priced with that part's prefill divided among
     /// the recent requests that shared it (`predict::reuse`), plus the
     /// larger of what its cache pushes out for it: the reused blocks it
-    /// evicts now, or the room price's forecast (`price_room`). A hot
+    /// evicts now, or the forecast of `rooms` (`price_room`'s). A hot
     /// group spreads once its Pod's queue costs more than its share of a
-    /// new replica, onto a Pod with room for it. At cold start nothing is
-    /// reused yet, so only the forecast tells a Pod that will hold the
-    /// group beside two others from one that must hold it beside three,
-    /// where it and they are prefilled again and again (BENCHMARKS, issue
-    /// 14). Only for a policy that ranks by `PredictedTTFT` and bounds it
-    /// nowhere: an SLO on the request's own TTFT must see its full
-    /// prefill.
+    /// new replica, onto a Pod with room for it. Until a cache first
+    /// pushes a block out, the groups on it have not come back yet, so
+    /// nothing counts as reused there and only the forecast tells a Pod
+    /// that would hold the group beside two others from one that must
+    /// hold it beside three, where it and they are prefilled again and
+    /// again (BENCHMARKS, issue 14). A candidate is a replica, its price
+    /// replacing the room-priced one, only where its share of the prefill
+    /// and the evictions it makes now cost less than its own prediction
+    /// (`reuse::eviction_cost`). Only for a policy that ranks by
+    /// `PredictedTTFT` and bounds it nowhere: an SLO on the request's own
+    /// TTFT must see its full prefill.
     fn share_replica_prefills(
         &mut self,
         picker: &Picker,
         policy: &LoadedPolicy,
         units: &PromptUnits,
         hashes: &[u64],
+        rooms: &[f64],
         now: Instant,
     ) {
         let reads = &policy.compiled.reads;
@@ -399,7 +409,7 @@ impl CandidateSet {
         }
         let mut holders: Vec<(String, Option<f64>)> = Vec::new();
         let mut shared: Option<Vec<f64>> = None;
-        for i in 0..self.candidates.len() {
+        for (i, &room) in rooms.iter().enumerate() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
             else {
@@ -442,14 +452,10 @@ impl CandidateSet {
             let evicted = units.of_estimate(self.states[i].prefix.reused_evictions(hashes));
             let gap = best - prefix.cached_tokens;
             let evicts_now = reuse::eviction_cost(predicted, at_best, gap, evicted);
-            // What the candidate costs as no replica: its room priced.
-            let unshared = self.candidates[i]
-                .metrics
-                .predicted_ttft
-                .unwrap_or(predicted);
-            let room = unshared - predicted;
-            let price = amortized + evicts_now.max(room);
-            if price < unshared {
+            if amortized + evicts_now < predicted {
+                // Then also below its room-priced value, `predicted +
+                // room`, which it replaces.
+                let price = amortized + evicts_now.max(room);
                 self.candidates[i].metrics.predicted_ttft = Some(price);
                 self.seeds.push(i);
             }

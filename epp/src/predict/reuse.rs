@@ -91,7 +91,7 @@ pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
 /// slowed all of those groups (BENCHMARKS, issue 14); on a Pod with room,
 /// or with only prompts nobody sent again, it costs nothing. A price that
 /// reaches the request's own prediction is no replica: the candidate is
-/// then ranked by that prediction, evictions unpriced, as any other.
+/// then ranked as any other, by that prediction and the room it leaves.
 pub fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f64 {
     let per_token = (predicted - at_best).max(0.0) / gap;
     if per_token.is_finite() {
