@@ -18,14 +18,11 @@
 //! create Pods and then set their `status` themselves (see
 //! `tests/cluster_smoke.rs`).
 
-use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read as _, Write as _};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -1047,18 +1044,7 @@ fn unique_u64() -> u64 {
 /// A loopback TCP port that is free now and was not handed out before in this
 /// process (so parallel clusters never pick the same one).
 fn free_port() -> Result<u16> {
-    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
-    for _ in 0..100 {
-        let port = TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port();
-        if HANDED_OUT
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(port)
-        {
-            return Ok(port);
-        }
-    }
-    bail!("no free loopback port found")
+    Ok(kinference_testbed::free_port()?)
 }
 
 /// A uniquely named directory under the system temp dir, removed on drop

@@ -666,10 +666,10 @@ async fn admin_client_at(kubeconfig: &Path, address: std::net::SocketAddr) -> Re
     Ok(Client::try_from(config)?)
 }
 
-/// A free loopback TCP port (the kubelet's and controllers' serving ports).
+/// A free loopback TCP port (the kubelet's and controllers' serving ports),
+/// never one this process handed out before.
 fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
-    Ok(listener.local_addr()?.port())
+    Ok(kinference_testbed::free_port()?)
 }
 
 fn unique_suffix() -> u64 {
