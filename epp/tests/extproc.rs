@@ -1054,17 +1054,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
     // Each Pod's model learns from its own answers (short prompts in 20 ms,
     // as the prior has it, on idle engines).
     scrape(0.0);
-    for pod in [busy, idle] {
-        for i in 0..20 {
-            let (outcome, mut stream) = client.decide(&request("Hi.", i, Some(pod))).await.unwrap();
-            assert_eq!(outcome.destination(), Some(pod));
-            stream
-                .response_headers(200, Some(pod), Some(20.0))
-                .await
-                .unwrap();
-            stream.finish().await.unwrap();
-        }
-    }
+    train_on_short_answers(&client, &[busy, idle]).await;
     if let Some(cache) = &idle_cache {
         for filler in ["One old prompt. ", "Another old one. "] {
             for _ in 0..cache.sends {
@@ -1239,19 +1229,7 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
     };
     // Each Pod's model learns from its own answers, so that the replica
     // pays for a queue its engine reports.
-    for pod in [HOT, BESIDE_TWO, BESIDE_ONE] {
-        for i in 0..20 {
-            // A short prompt: no system prompt, only the question.
-            let request = group_request("", 0, i, Some(pod));
-            let (outcome, mut stream) = client.decide(&request).await.unwrap();
-            assert_eq!(outcome.destination(), Some(pod));
-            stream
-                .response_headers(200, Some(pod), Some(20.0))
-                .await
-                .unwrap();
-            stream.finish().await.unwrap();
-        }
-    }
+    train_on_short_answers(&client, &[HOT, BESIDE_TWO, BESIDE_ONE]).await;
     for question in 0..12 {
         assert_eq!(ask("The hot group.", question, Some(HOT)).await, HOT);
     }
@@ -1284,6 +1262,24 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
     });
     assert_eq!(ask("The hot group.", 12, None).await, BESIDE_ONE);
     assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
+}
+
+/// Trains each of `pods`' models on 20 answers of its own: short prompts
+/// answered in 20 ms, as the prior has it for idle engines.
+async fn train_on_short_answers(client: &EppClient, pods: &[&str]) {
+    for &pod in pods {
+        for i in 0..20 {
+            // No system prompt, only the question.
+            let request = group_request("", 0, i, Some(pod));
+            let (outcome, mut stream) = client.decide(&request).await.unwrap();
+            assert_eq!(outcome.destination(), Some(pod));
+            stream
+                .response_headers(200, Some(pod), Some(20.0))
+                .await
+                .unwrap();
+            stream.finish().await.unwrap();
+        }
+    }
 }
 
 /// Replicas the EPP has seeded, from its metrics.
