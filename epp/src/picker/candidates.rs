@@ -298,10 +298,11 @@ impl CandidateSet {
     /// questions, and its neighbours', again for as long as the group
     /// stays (a fourth group on a Pod holding three: BENCHMARKS, issue
     /// 14). A Pod with more requests running and waiting (picks not yet
-    /// scraped included) than one above the candidates' mean has no room
-    /// either: it carries a hot group, whose traffic would queue the
-    /// prompt's group, be it new (a first request, or a one-off: they
-    /// cannot be told apart) or a replica's. Its cache may well have the
+    /// scraped included) than one above the candidates' mean, and less of
+    /// the prompt than the best-cached one, has no room either: it carries
+    /// a hot group, whose traffic would queue the prompt's group, be it new
+    /// (a first request, or a one-off: they cannot be told apart) or a
+    /// replica's. Its cache may well have the
     /// room (a hot group on a Pod of its own leaves it): without this,
     /// other groups' replicas went there when every other Pod held more
     /// groups (two in the ladder at 6c44765, BENCHMARKS).
@@ -335,6 +336,9 @@ impl CandidateSet {
             .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
             .collect();
         let full_above_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64 + 1.0;
+        let best = local()
+            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
+            .fold(0.0, f64::max);
         for i in local() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
@@ -346,7 +350,10 @@ impl CandidateSet {
                 continue;
             }
             let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
-            let price = if features.running + features.waiting > full_above_load {
+            // A group's own Pod lacks only the question: its load is its
+            // group's, not one the prompt would join.
+            let joins_a_load = prefix.cached_tokens < best || best <= 0.0;
+            let price = if joins_a_load && features.running + features.waiting > full_above_load {
                 queued
             } else {
                 let growth = self.states[i].prefix.growth(hashes);
