@@ -1218,97 +1218,50 @@ const BESIDE_ONE: &str = "10.0.0.3:8000";
 /// the one, though that Pod runs a request and the other none.
 #[tokio::test]
 async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
-    let case = ReplicaCase {
-        pods: [HOT, BESIDE_TWO, BESIDE_ONE],
-        placed: [
-            (BESIDE_TWO, "A second group."),
-            (BESIDE_ONE, "A third group."),
-            (BESIDE_TWO, "A fourth group."),
-        ],
-        running_beside: (BESIDE_ONE, 1.0),
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let epp = epp_over_pods(route, &[HOT, BESIDE_TWO, BESIDE_ONE]);
+    scrape_full_caches(&epp, |_| Load::default());
+    let client = serve_without_scraper(&epp).await;
+    let ask = |group: &str, question: usize, only: Option<&str>| {
+        let request = group_request(group, 200, question, only);
+        let client = &client;
+        async move { primary_destination(client, &request).await }
     };
-    assert_eq!(case.replica_of_the_queued_group().await, BESIDE_ONE);
-}
-
-const CARRIER: &str = "10.0.0.2:8000";
-const CROWDED: &str = "10.0.0.3:8000";
-
-/// The same, but the one Pod with room in its cache is the one carrying
-/// another hot group: four requests running, more than one above the
-/// Pods' mean. Its traffic would queue the replica's group as it would a
-/// new group's, so it has no room either, and the replica goes beside
-/// two groups, where it does not fit.
-#[tokio::test]
-async fn a_replica_does_not_go_beside_another_hot_group() {
-    let case = ReplicaCase {
-        pods: [HOT, CARRIER, CROWDED],
-        placed: [
-            (CARRIER, "Another hot group."),
-            (CROWDED, "A third group."),
-            (CROWDED, "A fourth group."),
-        ],
-        running_beside: (CARRIER, 4.0),
-    };
-    assert_eq!(case.replica_of_the_queued_group().await, CROWDED);
-}
-
-/// Three Pods with caches of 500 blocks of the prefix index: the first
-/// holds a group of 200 blocks that 12 requests shared, and has two
-/// requests waiting; `placed` puts groups of the same size on the others,
-/// one request each, and `running_beside` runs requests on one of them.
-struct ReplicaCase {
-    pods: [&'static str; 3],
-    placed: [(&'static str, &'static str); 3],
-    running_beside: (&'static str, f64),
-}
-
-impl ReplicaCase {
-    /// Where the queued group's next request goes; it must go as a
-    /// replica.
-    async fn replica_of_the_queued_group(&self) -> String {
-        let route = "route: { select: [{ minimize: PredictedTTFT }] }";
-        let [queued_pod, ..] = self.pods;
-        let epp = epp_over_pods(route, &self.pods);
-        scrape_full_caches(&epp, |_| Load::default());
-        let client = serve_without_scraper(&epp).await;
-        let ask = |group: &str, question: usize, only: Option<&str>| {
-            let request = group_request(group, 200, question, only);
-            let client = &client;
-            async move { primary_destination(client, &request).await }
-        };
-        // Each Pod's model learns from its own answers, so that the
-        // replica pays for a queue its engine reports.
-        train_on_short_answers(&client, &self.pods).await;
-        for question in 0..12 {
-            let to = ask("The queued group.", question, Some(queued_pod)).await;
-            assert_eq!(to, queued_pod);
-        }
-        for (pod, group) in self.placed {
-            assert_eq!(ask(group, 0, Some(pod)).await, pod);
-        }
-        // The index records a route beside its reply.
-        for pod in self.pods {
-            let blocks = 200 * self.placed.iter().filter(|(p, _)| *p == pod).count().max(1);
-            let state = epp.registry().state_at(pod).unwrap();
-            poll_until(100, || state.prefix.len() >= blocks).await;
-            assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
-        }
-        let (running_pod, running) = self.running_beside;
-        scrape_full_caches(&epp, |pod| match pod {
-            _ if pod == queued_pod => Load {
-                running: 0.0,
-                waiting: 2.0,
-            },
-            _ if pod == running_pod => Load {
-                running,
-                waiting: 0.0,
-            },
-            _ => Load::default(),
-        });
-        let to = ask("The queued group.", 12, None).await;
-        assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
-        to
+    // Each Pod's model learns from its own answers, so that the replica
+    // pays for a queue its engine reports.
+    train_on_short_answers(&client, &[HOT, BESIDE_TWO, BESIDE_ONE]).await;
+    for question in 0..12 {
+        assert_eq!(ask("The hot group.", question, Some(HOT)).await, HOT);
     }
+    let placed = [
+        (BESIDE_TWO, "A second group."),
+        (BESIDE_ONE, "A third group."),
+        (BESIDE_TWO, "A fourth group."),
+    ];
+    for (pod, group) in placed {
+        assert_eq!(ask(group, 0, Some(pod)).await, pod);
+    }
+    // The index records a route beside its reply.
+    for (pod, blocks) in [(HOT, 200), (BESIDE_TWO, 400), (BESIDE_ONE, 200)] {
+        let state = epp.registry().state_at(pod).unwrap();
+        poll_until(100, || state.prefix.len() >= blocks).await;
+        assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
+    }
+    let queued = Load {
+        running: 0.0,
+        waiting: 2.0,
+    };
+    let one_running = Load {
+        running: 1.0,
+        waiting: 0.0,
+    };
+    scrape_full_caches(&epp, |pod| match pod {
+        HOT => queued,
+        BESIDE_ONE => one_running,
+        _ => Load::default(),
+    });
+    assert_eq!(ask("The hot group.", 12, None).await, BESIDE_ONE);
+    assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
 }
 
 /// Trains each of `pods`' models on 20 answers of its own: short prompts

@@ -297,15 +297,11 @@ impl CandidateSet {
     /// beside its working set (`PrefixCache::growth`) would prefill its
     /// questions, and its neighbours', again for as long as the group
     /// stays (a fourth group on a Pod holding three: BENCHMARKS, issue
-    /// 14). A Pod with more requests running and waiting (picks not yet
-    /// scraped included) than one above the candidates' mean, and less of
-    /// the prompt than the best-cached one, has no room either: it carries
-    /// a hot group, whose traffic would queue the prompt's group, be it new
-    /// (a first request, or a one-off: they cannot be told apart) or a
-    /// replica's. Its cache may well have the
-    /// room (a hot group on a Pod of its own leaves it): without this,
-    /// other groups' replicas went there when every other Pod held more
-    /// groups (two in the ladder at 6c44765, BENCHMARKS).
+    /// 14). For a prompt cached nowhere (a new group's first request, or a
+    /// one-off: they cannot be told apart), a Pod with more requests
+    /// running and waiting (picks not yet scraped included) than one above
+    /// the candidates' mean has no room either: it carries a hot group,
+    /// whose traffic would queue the new group's.
     ///
     /// The price is the share of the new blocks that would not fit, times
     /// one queued request by the Pod's model, and at most their prefill
@@ -332,13 +328,16 @@ impl CandidateSet {
             return rooms;
         }
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
-        let loads: Vec<f64> = local()
-            .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
-            .collect();
-        let full_above_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64 + 1.0;
-        let best = local()
-            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
-            .fold(0.0, f64::max);
+        let cached_nowhere =
+            local().all(|i| self.prefixes[i].is_some_and(|p| p.cached_tokens <= 0.0));
+        let full_above_load = if cached_nowhere {
+            let loads: Vec<f64> = local()
+                .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
+                .collect();
+            loads.iter().sum::<f64>() / loads.len().max(1) as f64 + 1.0
+        } else {
+            f64::INFINITY
+        };
         for i in local() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
@@ -350,10 +349,7 @@ impl CandidateSet {
                 continue;
             }
             let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
-            // A group's own Pod lacks only the question: its load is its
-            // group's, not one the prompt would join.
-            let joins_a_load = prefix.cached_tokens < best || best <= 0.0;
-            let price = if joins_a_load && features.running + features.waiting > full_above_load {
+            let price = if features.running + features.waiting > full_above_load {
                 queued
             } else {
                 let growth = self.states[i].prefix.growth(hashes);
