@@ -1264,6 +1264,37 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
     assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
 }
 
+/// A group's own Pod lacks only each request's question. With two
+/// requests waiting, more than one above the Pods' mean, it is busy, but
+/// the load it carries is the group's own, not one the prompt would join:
+/// the group stays while its queue costs less than a prefill elsewhere
+/// (two queued requests by the untrained model, against the prefill of
+/// 200 blocks).
+#[tokio::test]
+async fn a_busy_pod_keeps_its_own_groups_requests() {
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let epp = epp_over_pods(route, &[HOT, BESIDE_TWO, BESIDE_ONE]);
+    scrape_full_caches(&epp, |_| Load::default());
+    let client = serve_without_scraper(&epp).await;
+    for question in 0..12 {
+        let request = group_request("The hot group.", 200, question, Some(HOT));
+        assert_eq!(primary_destination(&client, &request).await, HOT);
+    }
+    // The index records a route beside its reply.
+    let state = epp.registry().state_at(HOT).unwrap();
+    poll_until(100, || state.prefix.len() >= 200).await;
+    let queued = Load {
+        running: 0.0,
+        waiting: 2.0,
+    };
+    scrape_full_caches(
+        &epp,
+        |pod| if pod == HOT { queued } else { Load::default() },
+    );
+    let request = group_request("The hot group.", 200, 12, None);
+    assert_eq!(primary_destination(&client, &request).await, HOT);
+}
+
 /// Trains each of `pods`' models on 20 answers of its own: short prompts
 /// answered in 20 ms, as the prior has it for idle engines.
 async fn train_on_short_answers(client: &EppClient, pods: &[&str]) {
