@@ -1125,7 +1125,7 @@ async fn a_new_group_goes_where_its_working_set_fits() {
     assert_eq!(new_group_case(slo, busier).await, TWO_GROUPS);
 }
 
-/// Requests on [`ONE_GROUP`]'s engine when the fourth group arrives.
+/// Requests running and waiting in a Pod's engine, as scraped.
 #[derive(Clone, Copy, Default)]
 struct Load {
     running: f64,
@@ -1205,6 +1205,12 @@ const HOT: &str = "10.0.0.1:8000";
 const BESIDE_TWO: &str = "10.0.0.2:8000";
 const BESIDE_ONE: &str = "10.0.0.3:8000";
 
+/// The hot group's Pod when it is busy: two requests waiting.
+const TWO_WAITING: Load = Load {
+    running: 0.0,
+    waiting: 2.0,
+};
+
 /// A hot group's Pod has requests waiting, and a dozen earlier requests
 /// shared its prompt: it spreads (as in
 /// [`a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_time`]).
@@ -1247,16 +1253,12 @@ async fn a_hot_groups_replica_goes_where_its_working_set_fits() {
         poll_until(100, || state.prefix.len() >= blocks).await;
         assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
     }
-    let queued = Load {
-        running: 0.0,
-        waiting: 2.0,
-    };
     let one_running = Load {
         running: 1.0,
         waiting: 0.0,
     };
     scrape_full_caches(&epp, |pod| match pod {
-        HOT => queued,
+        HOT => TWO_WAITING,
         BESIDE_ONE => one_running,
         _ => Load::default(),
     });
@@ -1283,14 +1285,13 @@ async fn a_busy_pod_keeps_its_own_groups_requests() {
     // The index records a route beside its reply.
     let state = epp.registry().state_at(HOT).unwrap();
     poll_until(100, || state.prefix.len() >= 200).await;
-    let queued = Load {
-        running: 0.0,
-        waiting: 2.0,
-    };
-    scrape_full_caches(
-        &epp,
-        |pod| if pod == HOT { queued } else { Load::default() },
-    );
+    scrape_full_caches(&epp, |pod| {
+        if pod == HOT {
+            TWO_WAITING
+        } else {
+            Load::default()
+        }
+    });
     let request = group_request("The hot group.", 200, 12, None);
     assert_eq!(primary_destination(&client, &request).await, HOT);
 }
