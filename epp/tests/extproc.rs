@@ -1296,6 +1296,86 @@ async fn a_busy_pod_keeps_its_own_groups_requests() {
     assert_eq!(primary_destination(&client, &request).await, HOT);
 }
 
+const CARRIER: &str = "10.0.0.2:8000";
+const CROWDED: &str = "10.0.0.3:8000";
+
+/// A queued group's replica does not go to the Pod carrying another hot
+/// group, though that Pod, serving its group from its cache, runs nothing
+/// and has room for the replica: it goes beside two groups, where it does
+/// not fit. Without the routes' share, the Pod with room took it.
+#[tokio::test]
+async fn a_replica_does_not_go_beside_another_hot_group() {
+    let next = group_request("The queued group.", 200, 12, None);
+    let (to, epp) = beside_a_hot_group(next, Load::default()).await;
+    assert_eq!(to, CROWDED);
+    assert_eq!(replica_seeds(&epp), 1, "the group spread as a replica");
+}
+
+/// Nor does a new group's first request (cached nowhere): it goes where
+/// its neighbours' traffic is not a hot group's.
+#[tokio::test]
+async fn a_new_group_does_not_go_beside_a_hot_group() {
+    let next = group_request("A new group.", 200, 0, None);
+    let (to, epp) = beside_a_hot_group(next, Load::default()).await;
+    assert_eq!(to, CROWDED);
+    assert_eq!(replica_seeds(&epp), 0);
+}
+
+/// Nor does a group whose own Pod is busy (at a pool's start, with the
+/// other groups' first prefills) leave for it: it leaves for the Pod with
+/// a shorter queue, two requests waiting, that carries no hot group.
+#[tokio::test]
+async fn a_group_leaving_its_busy_pod_does_not_go_beside_a_hot_group() {
+    let next = group_request("A third group.", 200, 1, None);
+    let busy = Load {
+        running: 4.0,
+        waiting: 8.0,
+    };
+    let (to, _) = beside_a_hot_group(next, busy).await;
+    assert_eq!(to, HOT);
+}
+
+/// Where `next` goes, in caches of 500 blocks, when [`HOT`] holds a group
+/// of 200 blocks that 12 requests shared and has two requests waiting,
+/// [`CARRIER`] holds another group of 200 that took 150 requests, most of
+/// the pool's, and runs none (its answers came from its cache), and
+/// [`CROWDED`] holds two groups of 200, sent once each, and runs `crowded`.
+async fn beside_a_hot_group(next: HttpRequest, crowded: Load) -> (String, Epp) {
+    let route = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let pods = [HOT, CARRIER, CROWDED];
+    let epp = epp_over_pods(route, &pods);
+    scrape_full_caches(&epp, |_| Load::default());
+    let client = serve_without_scraper(&epp).await;
+    let ask = |group: &str, question: usize, only: &'static str| {
+        let request = group_request(group, 200, question, Some(only));
+        let client = &client;
+        async move { assert_eq!(primary_destination(client, &request).await, only) }
+    };
+    // Each Pod's model learns from its own answers, so that the replica
+    // pays for a queue its engine reports.
+    train_on_short_answers(&client, &pods).await;
+    for question in 0..12 {
+        ask("The queued group.", question, HOT).await;
+    }
+    for question in 0..150 {
+        ask("Another hot group.", question, CARRIER).await;
+    }
+    ask("A third group.", 0, CROWDED).await;
+    ask("A fourth group.", 0, CROWDED).await;
+    // The index records a route beside its reply.
+    for (pod, blocks) in [(HOT, 200), (CARRIER, 200), (CROWDED, 400)] {
+        let state = epp.registry().state_at(pod).unwrap();
+        poll_until(100, || state.prefix.len() >= blocks).await;
+        assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
+    }
+    scrape_full_caches(&epp, |pod| match pod {
+        HOT => TWO_WAITING,
+        CROWDED => crowded,
+        _ => Load::default(),
+    });
+    (primary_destination(&client, &next).await, epp)
+}
+
 /// Trains each of `pods`' models on 20 answers of its own: short prompts
 /// answered in 20 ms, as the prior has it for idle engines.
 async fn train_on_short_answers(client: &EppClient, pods: &[&str]) {

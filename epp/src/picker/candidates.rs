@@ -32,7 +32,19 @@ pub struct CandidateSet {
     seeds: Vec<usize>,
     /// Local candidates' cached-prefix predictions; `None` for providers.
     prefixes: Vec<Option<PrefixPrediction>>,
+    /// Requests this EPP routed to each candidate lately (decayed).
+    recent_routes: Vec<f64>,
+    /// Local candidates carrying a hot group ([`Self::hot_carriers`]).
+    hot: Vec<bool>,
 }
+
+/// A Pod carries a hot group when it took more than this many times the
+/// mean of the recent routes of the Pods serving the model ...
+const HOT_SHARE: f64 = 2.0;
+/// ... and at least this many of them (decayed): about 2.8 requests a
+/// second held (8 × ln 2 ÷ the 2 s half-life), so that a pool's first
+/// routes, and a Pod below that rate, flag nobody.
+const HOT_MIN_ROUTES: f64 = 8.0;
 
 /// A local candidate's cached prefix as the decision saw it, to compare
 /// with what its engine reports.
@@ -73,6 +85,8 @@ impl CandidateSet {
             predicted: Vec::new(),
             seeds: Vec::new(),
             prefixes: Vec::new(),
+            recent_routes: Vec::new(),
+            hot: Vec::new(),
         };
         // Each endpoint's address is formatted once per request.
         let admitted: Vec<(&EndpointView, String)> = snapshot
@@ -182,8 +196,10 @@ impl CandidateSet {
                 set.features.push(features);
                 set.predicted.push(predicted);
                 set.prefixes.push(Some(prefix));
+                set.recent_routes.push(live.recent_routes);
             }
         }
+        set.hot = set.hot_carriers();
         let rooms = set.price_room(picker, policy, &units, hashes);
         set.share_replica_prefills(picker, policy, &units, hashes, &rooms, now);
         let provider_states = picker.providers.for_policy(compiled);
@@ -209,6 +225,7 @@ impl CandidateSet {
                 set.features.push(None);
                 set.predicted.push(None);
                 set.prefixes.push(None);
+                set.recent_routes.push(live.recent_routes);
             }
         }
         set
@@ -300,8 +317,8 @@ impl CandidateSet {
     /// 14). For a prompt cached nowhere (a new group's first request, or a
     /// one-off: they cannot be told apart), a Pod with more requests
     /// running and waiting (picks not yet scraped included) than one above
-    /// the candidates' mean has no room either: it carries a hot group,
-    /// whose traffic would queue the new group's.
+    /// the candidates' mean has no room either: its traffic would queue
+    /// the new group's.
     ///
     /// The price is the share of the new blocks that would not fit, times
     /// one queued request by the Pod's model, and at most their prefill
@@ -310,7 +327,12 @@ impl CandidateSet {
     /// without the load, it sent new groups to the one Pod with room, the
     /// one a hot group kept busy (BENCHMARKS, "Room for a new group"). So
     /// room decides between Pods whose loads are within a queued request,
-    /// and load beyond that. Only for a policy that ranks by
+    /// and load beyond that. A Pod carrying a hot group
+    /// ([`hot_carriers`](Self::hot_carriers)), for a prompt cached nowhere
+    /// or one another Pod holds more of (a group leaving its first Pod,
+    /// busy with the pool's cold prefills), is priced with the prefill it
+    /// lacks a second time: the group would queue behind the hot one and
+    /// leave again. Only for a policy that ranks by
     /// `PredictedTTFT` and bounds it nowhere, as for a replica.
     ///
     /// Returns each candidate's room price (0 where none), which a
@@ -338,6 +360,9 @@ impl CandidateSet {
         } else {
             f64::INFINITY
         };
+        let best = local()
+            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
+            .fold(0.0, f64::max);
         for i in local() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
@@ -349,22 +374,30 @@ impl CandidateSet {
                 continue;
             }
             let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
-            let price = if features.running + features.waiting > full_above_load {
+            let full = features.running + features.waiting > full_above_load;
+            let at_cached = || {
+                let all_cached = TtftFeatures {
+                    uncached_tokens: 0.0,
+                    ..features
+                };
+                picker.ttft.predict(&self.states[i].ttft, &all_cached)
+            };
+            let another_group = self.hot[i] && (cached_nowhere || prefix.cached_tokens < best);
+            let price = if another_group {
+                // Its group would leave again, the hot one's traffic
+                // queueing it, and pay this prefill a second time.
+                (predicted - at_cached()).max(queued)
+            } else if full {
                 queued
             } else {
                 let growth = self.states[i].prefix.growth(hashes);
                 if growth.overflow == 0 {
                     continue;
                 }
-                let all_cached = TtftFeatures {
-                    uncached_tokens: 0.0,
-                    ..features
-                };
-                let at_cached = picker.ttft.predict(&self.states[i].ttft, &all_cached);
                 // In precise mode the events may hold more than this EPP
                 // routed: the prompt's own uncached tokens bound what it adds.
                 let evicted = units.of_estimate(growth.overflow).min(gap);
-                let cost = reuse::eviction_cost(predicted, at_cached, gap, evicted);
+                let cost = reuse::eviction_cost(predicted, at_cached(), gap, evicted);
                 let share = growth.overflow as f64 / growth.new as f64;
                 cost.min(queued * share)
             };
@@ -388,9 +421,10 @@ impl CandidateSet {
     /// again (BENCHMARKS, issue 14). A candidate is a replica, its price
     /// replacing the room-priced one, only where its share of the prefill
     /// and the evictions it makes now cost less than its own prediction
-    /// (`reuse::eviction_cost`). Only for a policy that ranks by
-    /// `PredictedTTFT` and bounds it nowhere: an SLO on the request's own
-    /// TTFT must see its full prefill.
+    /// (`reuse::eviction_cost`), and that carries no hot group of its own
+    /// ([`hot_carriers`](Self::hot_carriers)). Only for a policy that
+    /// ranks by `PredictedTTFT` and bounds it nowhere: an SLO on the
+    /// request's own TTFT must see its full prefill.
     fn share_replica_prefills(
         &mut self,
         picker: &Picker,
@@ -415,7 +449,7 @@ impl CandidateSet {
             else {
                 continue;
             };
-            if features.waiting > 0.0 {
+            if features.waiting > 0.0 || self.hot[i] {
                 continue;
             }
             let model = &self.candidates[i].model;
@@ -460,6 +494,41 @@ impl CandidateSet {
                 self.seeds.push(i);
             }
         }
+    }
+
+    /// Local candidates that carry a hot group: routed more than
+    /// [`HOT_SHARE`] times the mean of the recent requests of the Pods
+    /// serving the candidate's model, and at least [`HOT_MIN_ROUTES`] (so
+    /// among two Pods, never). Several cold groups on one Pod would count
+    /// too; what the rule reads is the Pod's share of the traffic, which a
+    /// new group's would join. A hot group's Pod serves it from its
+    /// cache: its engine shows few requests running and none waiting, and
+    /// its cache has room, so by load and room it looks the best place for
+    /// another group, whose requests would then queue behind the hot
+    /// group's, and the hot group's behind their prefills (BENCHMARKS,
+    /// issue 14: another group landed there in three hot-group reps of
+    /// ten). Its share of the routes tells it apart. The engines' load did
+    /// not: at a pool's start the Pods prefilling new groups run more
+    /// requests than the hot group's, and a guard on load named them
+    /// instead (BENCHMARKS, "Tried and reverted: no room for a copy on a
+    /// busy Pod").
+    fn hot_carriers(&self) -> Vec<bool> {
+        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
+        // Per model, its Pods' count and routes: a Pod serving two models
+        // is a candidate of each.
+        let mut of_model: HashMap<&str, (f64, f64)> = HashMap::new();
+        for i in local() {
+            let (pods, routes) = of_model.entry(&self.candidates[i].model).or_default();
+            *pods += 1.0;
+            *routes += self.recent_routes[i];
+        }
+        let mut hot = vec![false; self.candidates.len()];
+        for i in local() {
+            let (pods, total) = of_model[self.candidates[i].model.as_str()];
+            let routes = self.recent_routes[i];
+            hot[i] = routes >= HOT_MIN_ROUTES && routes * pods > HOT_SHARE * total;
+        }
+        hot
     }
 
     /// The best cached prefix among the local candidates of `model`, if
@@ -573,7 +642,74 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{PromptUnits, in_subset};
+    use super::{CandidateSet, PrefixPrediction, PromptUnits, in_subset};
+    use kinference_policy::eval::{Candidate, PrefixSource};
+
+    /// Local candidates of `(model, recent routes)`, then a provider that
+    /// took more routes than any.
+    fn routed(local: &[(&str, f64)]) -> CandidateSet {
+        let prefix = PrefixPrediction {
+            cached_tokens: 0.0,
+            prompt: 100.0,
+            source: PrefixSource::Estimate,
+            block_size: None,
+            prompt_tokens: None,
+            estimated_prompt: 100,
+            index_block: 16.0,
+        };
+        let n = local.len() + 1;
+        let mut candidates: Vec<Candidate> = local
+            .iter()
+            .map(|(model, _)| Candidate {
+                model: model.to_string(),
+                ..Candidate::default()
+            })
+            .collect();
+        candidates.push(Candidate::default());
+        let mut prefixes = vec![Some(prefix); local.len()];
+        prefixes.push(None);
+        let mut recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
+        recent_routes.push(1_000.0);
+        CandidateSet {
+            candidates,
+            states: Vec::new(),
+            features: vec![None; n],
+            predicted: vec![None; n],
+            seeds: Vec::new(),
+            prefixes,
+            recent_routes,
+            hot: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_pod_carries_a_hot_group_above_twice_its_models_mean() {
+        let four = routed(&[("a", 60.0), ("a", 10.0), ("a", 10.0), ("a", 10.0)]);
+        assert_eq!(four.hot_carriers(), [true, false, false, false, false]);
+        // Among two Pods, more than twice the mean is more than both.
+        let two = routed(&[("a", 60.0), ("a", 0.0)]);
+        assert_eq!(two.hot_carriers(), [false, false, false]);
+        // Too few routes to tell a hot group from a pool's first requests.
+        let few = routed(&[("a", 7.0), ("a", 0.0), ("a", 0.0)]);
+        assert_eq!(few.hot_carriers(), [false, false, false, false]);
+    }
+
+    #[test]
+    fn a_pod_is_compared_with_its_own_models_pods() {
+        // Model a's two Pods take most of the traffic, b's four little:
+        // over all six, a's would both count as hot.
+        let set = routed(&[
+            ("a", 40.0),
+            ("a", 40.0),
+            ("b", 5.0),
+            ("b", 5.0),
+            ("b", 5.0),
+            ("b", 5.0),
+        ]);
+        assert_eq!(set.hot_carriers(), [false; 7]);
+        let one_hot_b = routed(&[("a", 40.0), ("b", 30.0), ("b", 1.0), ("b", 1.0)]);
+        assert_eq!(one_hot_b.hot_carriers(), [false, true, false, false, false]);
+    }
 
     #[test]
     fn a_tokenized_prompt_and_every_cached_prefix_count_in_the_engines_tokens() {

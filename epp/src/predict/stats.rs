@@ -54,6 +54,8 @@ pub struct StatsConfig {
     pub breaker_failures: u32,
     /// How long the breaker stays open before a probe is allowed.
     pub breaker_cooldown: Duration,
+    /// Half-life of a route in the count of recent routes.
+    pub routes_half_life: Duration,
 }
 
 impl Default for StatsConfig {
@@ -65,6 +67,10 @@ impl Default for StatsConfig {
             min_weight: 0.05,
             breaker_failures: 5,
             breaker_cooldown: Duration::from_secs(30),
+            // Steady traffic weighs about 2.9 s of it (2 s ÷ ln 2), about
+            // as long as a route is remembered for its prompt
+            // (`predict::routed::WINDOW`).
+            routes_half_life: Duration::from_secs(2),
         }
     }
 }
@@ -88,6 +94,11 @@ pub struct DestSnapshot {
     pub running: u64,
     /// Of those, the ones no scrape can have shown yet.
     pub unscraped: u64,
+    /// Requests this EPP routed here lately, each weighing less with age
+    /// (half-life `routes_half_life`): a Pod's share of the traffic, which
+    /// its instantaneous load does not tell (a hot group's cache hits end
+    /// fast).
+    pub recent_routes: f64,
     pub breaker_open: bool,
 }
 
@@ -98,6 +109,7 @@ impl Default for DestSnapshot {
             error_rate: 0.0,
             running: 0,
             unscraped: 0,
+            recent_routes: 0.0,
             breaker_open: false,
         }
     }
@@ -147,6 +159,8 @@ enum Breaker {
 struct Inner {
     ttft: Decayed,
     errors: Decayed,
+    /// Its weight counts the routes.
+    routes: Decayed,
     consecutive_failures: u32,
     breaker: Breaker,
     last_activity: Option<Instant>,
@@ -242,6 +256,7 @@ impl Inner {
             error_rate,
             running,
             unscraped: self.reserved.picked.len() as u64,
+            recent_routes: self.routes.at_time(now, cfg.routes_half_life).1,
             breaker_open,
         }
     }
@@ -316,6 +331,7 @@ impl DestStats {
             inner: Mutex::new(Inner {
                 ttft: Decayed::default(),
                 errors: Decayed::default(),
+                routes: Decayed::default(),
                 consecutive_failures: 0,
                 breaker: Breaker::Closed,
                 last_activity: None,
@@ -334,6 +350,7 @@ impl DestStats {
         let probe = {
             let mut inner = lock(&self.inner);
             inner.reserved.reserve(now);
+            inner.routes.add(0.0, now, self.cfg.routes_half_life);
             inner.begin(now)
         };
         InflightGuard {
@@ -522,6 +539,20 @@ mod tests {
         assert!((st.error_rate(t0) - 5.0 / 9.0).abs() < 1e-9);
         // Decays with time even without new requests.
         assert!(st.error_rate(t0 + secs(300.0)) < 0.01);
+    }
+
+    #[test]
+    fn recent_routes_count_each_route_halved_every_half_life() {
+        let st = Arc::new(DestStats::default());
+        let t0 = Instant::now();
+        assert_eq!(st.snapshot(t0).recent_routes, 0.0);
+        for _ in 0..4 {
+            drop(st.begin(t0));
+        }
+        assert!((st.snapshot(t0).recent_routes - 4.0).abs() < 1e-9);
+        let later = t0 + StatsConfig::default().routes_half_life;
+        drop(st.begin(later));
+        assert!((st.snapshot(later).recent_routes - 3.0).abs() < 1e-9);
     }
 
     #[test]
