@@ -740,11 +740,15 @@ async fn the_prefix_index_holds_as_much_text_as_the_engines_cache() {
     }
     let ratio = state.engine_tokens.get();
     assert!((0.49..0.52).contains(&ratio), "learnt ratio {ratio}");
-    poll_until(100, || state.prefix.capacity() != sized_by_estimate).await;
+    // A scrape may land while the ratio is still learnt, and a size within
+    // a sixteenth of the target is kept (`DestinationState::scraped`): the
+    // next scrapes bring it there.
+    let doubled = || state.prefix.capacity() as f64 / sized_by_estimate as f64;
+    let near_twice = 2.0 / (1.0 + 1.0 / 16.0)..2.0 * (1.0 + 1.0 / 16.0);
+    poll_until(300, || near_twice.contains(&doubled())).await;
     let grown = state.prefix.capacity();
-    let doubled = grown as f64 / sized_by_estimate as f64;
     assert!(
-        (1.9..2.1).contains(&doubled),
+        near_twice.contains(&doubled()),
         "{sized_by_estimate} -> {grown}"
     );
 }
