@@ -32,8 +32,6 @@ pub struct CandidateSet {
     seeds: Vec<usize>,
     /// Local candidates' cached-prefix predictions; `None` for providers.
     prefixes: Vec<Option<PrefixPrediction>>,
-    /// Requests this EPP routed to each candidate lately (decayed).
-    recent_routes: Vec<f64>,
     /// Local candidates carrying a hot group ([`Self::hot_carriers`]).
     hot: Vec<bool>,
 }
@@ -85,7 +83,6 @@ impl CandidateSet {
             predicted: Vec::new(),
             seeds: Vec::new(),
             prefixes: Vec::new(),
-            recent_routes: Vec::new(),
             hot: Vec::new(),
         };
         // Each endpoint's address is formatted once per request.
@@ -100,6 +97,8 @@ impl CandidateSet {
             precise_cached_tokens(picker.registry.kv_pool(), &indexes, t, now)
         });
         let units = PromptUnits::new(request.prompt_tokens, tokenized, picker.config.block_chars);
+        // Requests this EPP routed to each local candidate lately.
+        let mut recent_routes = Vec::with_capacity(admitted.len());
         let prompt = units.prompt;
         let output = request
             .max_tokens
@@ -196,10 +195,10 @@ impl CandidateSet {
                 set.features.push(features);
                 set.predicted.push(predicted);
                 set.prefixes.push(Some(prefix));
-                set.recent_routes.push(live.recent_routes);
+                recent_routes.push(live.recent_routes);
             }
         }
-        set.hot = set.hot_carriers();
+        set.hot = set.hot_carriers(&recent_routes);
         let rooms = set.price_room(picker, policy, &units, hashes);
         set.share_replica_prefills(picker, policy, &units, hashes, &rooms, now);
         let provider_states = picker.providers.for_policy(compiled);
@@ -225,7 +224,6 @@ impl CandidateSet {
                 set.features.push(None);
                 set.predicted.push(None);
                 set.prefixes.push(None);
-                set.recent_routes.push(live.recent_routes);
             }
         }
         set
@@ -331,8 +329,8 @@ impl CandidateSet {
     /// ([`hot_carriers`](Self::hot_carriers)), for a prompt cached nowhere
     /// or one another Pod holds more of (a group leaving its first Pod,
     /// busy with the pool's cold prefills), is priced with the prefill it
-    /// lacks a second time: the group would queue behind the hot one and
-    /// leave again. Only for a policy that ranks by
+    /// lacks a second time (at least one queued request): the group would
+    /// queue behind the hot one and leave again. Only for a policy that ranks by
     /// `PredictedTTFT` and bounds it nowhere, as for a replica.
     ///
     /// Returns each candidate's room price (0 where none), which a
@@ -350,8 +348,10 @@ impl CandidateSet {
             return rooms;
         }
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
-        let cached_nowhere =
-            local().all(|i| self.prefixes[i].is_some_and(|p| p.cached_tokens <= 0.0));
+        let best = local()
+            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
+            .fold(0.0, f64::max);
+        let cached_nowhere = best <= 0.0;
         let full_above_load = if cached_nowhere {
             let loads: Vec<f64> = local()
                 .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
@@ -360,9 +360,6 @@ impl CandidateSet {
         } else {
             f64::INFINITY
         };
-        let best = local()
-            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
-            .fold(0.0, f64::max);
         for i in local() {
             let (Some(prefix), Some(features), Some(predicted)) =
                 (self.prefixes[i], self.features[i], self.predicted[i])
@@ -512,7 +509,12 @@ impl CandidateSet {
     /// requests than the hot group's, and a guard on load named them
     /// instead (BENCHMARKS, "Tried and reverted: no room for a copy on a
     /// busy Pod").
-    fn hot_carriers(&self) -> Vec<bool> {
+    ///
+    /// `recent_routes` holds, per local candidate, the requests this EPP
+    /// routed to its Pod lately, for every model the Pod serves; the mean
+    /// is over the Pods the request may go to (a subset hint of one or two
+    /// flags none).
+    fn hot_carriers(&self, recent_routes: &[f64]) -> Vec<bool> {
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
         // Per model, its Pods' count and routes: a Pod serving two models
         // is a candidate of each.
@@ -520,12 +522,12 @@ impl CandidateSet {
         for i in local() {
             let (pods, routes) = of_model.entry(&self.candidates[i].model).or_default();
             *pods += 1.0;
-            *routes += self.recent_routes[i];
+            *routes += recent_routes[i];
         }
         let mut hot = vec![false; self.candidates.len()];
         for i in local() {
             let (pods, total) = of_model[self.candidates[i].model.as_str()];
-            let routes = self.recent_routes[i];
+            let routes = recent_routes[i];
             hot[i] = routes >= HOT_MIN_ROUTES && routes * pods > HOT_SHARE * total;
         }
         hot
@@ -645,9 +647,9 @@ mod tests {
     use super::{CandidateSet, PrefixPrediction, PromptUnits, in_subset};
     use kinference_policy::eval::{Candidate, PrefixSource};
 
-    /// Local candidates of `(model, recent routes)`, then a provider that
-    /// took more routes than any.
-    fn routed(local: &[(&str, f64)]) -> CandidateSet {
+    /// Which of `local`, candidates of `(model, recent routes)` followed
+    /// by a provider, carry a hot group.
+    fn hot_of(local: &[(&str, f64)]) -> Vec<bool> {
         let prefix = PrefixPrediction {
             cached_tokens: 0.0,
             prompt: 100.0,
@@ -668,37 +670,36 @@ mod tests {
         candidates.push(Candidate::default());
         let mut prefixes = vec![Some(prefix); local.len()];
         prefixes.push(None);
-        let mut recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
-        recent_routes.push(1_000.0);
-        CandidateSet {
+        let recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
+        let set = CandidateSet {
             candidates,
             states: Vec::new(),
             features: vec![None; n],
             predicted: vec![None; n],
             seeds: Vec::new(),
             prefixes,
-            recent_routes,
             hot: Vec::new(),
-        }
+        };
+        set.hot_carriers(&recent_routes)
     }
 
     #[test]
     fn a_pod_carries_a_hot_group_above_twice_its_models_mean() {
-        let four = routed(&[("a", 60.0), ("a", 10.0), ("a", 10.0), ("a", 10.0)]);
-        assert_eq!(four.hot_carriers(), [true, false, false, false, false]);
+        let four = hot_of(&[("a", 60.0), ("a", 10.0), ("a", 10.0), ("a", 10.0)]);
+        assert_eq!(four, [true, false, false, false, false]);
         // Among two Pods, more than twice the mean is more than both.
-        let two = routed(&[("a", 60.0), ("a", 0.0)]);
-        assert_eq!(two.hot_carriers(), [false, false, false]);
+        let two = hot_of(&[("a", 60.0), ("a", 0.0)]);
+        assert_eq!(two, [false, false, false]);
         // Too few routes to tell a hot group from a pool's first requests.
-        let few = routed(&[("a", 7.0), ("a", 0.0), ("a", 0.0)]);
-        assert_eq!(few.hot_carriers(), [false, false, false, false]);
+        let few = hot_of(&[("a", 7.0), ("a", 0.0), ("a", 0.0)]);
+        assert_eq!(few, [false, false, false, false]);
     }
 
     #[test]
     fn a_pod_is_compared_with_its_own_models_pods() {
         // Model a's two Pods take most of the traffic, b's four little:
         // over all six, a's would both count as hot.
-        let set = routed(&[
+        let set = hot_of(&[
             ("a", 40.0),
             ("a", 40.0),
             ("b", 5.0),
@@ -706,9 +707,9 @@ mod tests {
             ("b", 5.0),
             ("b", 5.0),
         ]);
-        assert_eq!(set.hot_carriers(), [false; 7]);
-        let one_hot_b = routed(&[("a", 40.0), ("b", 30.0), ("b", 1.0), ("b", 1.0)]);
-        assert_eq!(one_hot_b.hot_carriers(), [false, true, false, false, false]);
+        assert_eq!(set, [false; 7]);
+        let one_hot_b = hot_of(&[("a", 40.0), ("b", 30.0), ("b", 1.0), ("b", 1.0)]);
+        assert_eq!(one_hot_b, [false, true, false, false, false]);
     }
 
     #[test]
