@@ -44,6 +44,19 @@ const HOT_SHARE: f64 = 2.0;
 /// routes, and a Pod below that rate, flag nobody.
 const HOT_MIN_ROUTES: f64 = 8.0;
 
+/// What `price_room` compares a local candidate with, from the local
+/// candidates of its model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct RoomBounds {
+    /// The most of the prompt any of them holds: 0 for a prompt cached
+    /// nowhere.
+    best: f64,
+    /// For a prompt cached nowhere, the load (requests running and waiting)
+    /// above which a Pod has no room for its group: one request above
+    /// their mean. Unbounded for a prompt cached somewhere.
+    full_above_load: f64,
+}
+
 /// A local candidate's cached prefix as the decision saw it, to compare
 /// with what its engine reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -315,8 +328,8 @@ impl CandidateSet {
     /// 14). For a prompt cached nowhere (a new group's first request, or a
     /// one-off: they cannot be told apart), a Pod with more requests
     /// running and waiting (picks not yet scraped included) than one above
-    /// the candidates' mean has no room either: its traffic would queue
-    /// the new group's.
+    /// the mean of its model's Pods has no room either: its traffic would
+    /// queue the new group's.
     ///
     /// The price is the share of the new blocks that would not fit, times
     /// one queued request by the Pod's model, and at most their prefill
@@ -330,8 +343,10 @@ impl CandidateSet {
     /// or one another Pod holds more of (a group leaving its first Pod,
     /// busy with the pool's cold prefills), is priced with the prefill it
     /// lacks a second time (at least one queued request): the group would
-    /// queue behind the hot one and leave again. Only for a policy that ranks by
-    /// `PredictedTTFT` and bounds it nowhere, as for a replica.
+    /// queue behind the hot one and leave again. "Cached nowhere", "the
+    /// mean" and "another Pod" are read among the candidate's model's Pods
+    /// ([`room_bounds`](Self::room_bounds)). Only for a policy that ranks
+    /// by `PredictedTTFT` and bounds it nowhere, as for a replica.
     ///
     /// Returns each candidate's room price (0 where none), which a
     /// replica's price (`share_replica_prefills`) builds on.
@@ -347,25 +362,20 @@ impl CandidateSet {
         if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft || hashes.is_empty() {
             return rooms;
         }
-        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
-        let best = local()
-            .filter_map(|i| self.prefixes[i].map(|p| p.cached_tokens))
-            .fold(0.0, f64::max);
-        let cached_nowhere = best <= 0.0;
-        let full_above_load = if cached_nowhere {
-            let loads: Vec<f64> = local()
-                .filter_map(|i| self.features[i].map(|f| f.running + f.waiting))
-                .collect();
-            loads.iter().sum::<f64>() / loads.len().max(1) as f64 + 1.0
-        } else {
-            f64::INFINITY
-        };
-        for i in local() {
-            let (Some(prefix), Some(features), Some(predicted)) =
-                (self.prefixes[i], self.features[i], self.predicted[i])
-            else {
+        for (i, bounds) in self.room_bounds().into_iter().enumerate() {
+            let (Some(prefix), Some(features), Some(predicted), Some(bounds)) = (
+                self.prefixes[i],
+                self.features[i],
+                self.predicted[i],
+                bounds,
+            ) else {
                 continue;
             };
+            let RoomBounds {
+                best,
+                full_above_load,
+            } = bounds;
+            let cached_nowhere = best <= 0.0;
             let gap = prefix.prompt - prefix.cached_tokens;
             if gap <= 0.0 {
                 continue;
@@ -491,6 +501,41 @@ impl CandidateSet {
                 self.seeds.push(i);
             }
         }
+    }
+
+    /// Per candidate, the [`RoomBounds`] of its model's local candidates
+    /// (`None` for a provider). Per model, as for a replica
+    /// ([`queued_best`](Self::queued_best)): a Pod serving only another
+    /// model that holds the prompt (one system prompt for two models) says
+    /// nothing of where this model's group is, and its load is not this
+    /// model's Pods' load. A Pod serving two models is a candidate of each,
+    /// holding the prompt for both.
+    fn room_bounds(&self) -> Vec<Option<RoomBounds>> {
+        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
+        // Per model: the best cached prefix, and the loads scraped.
+        let mut of_model: HashMap<&str, (f64, f64, f64)> = HashMap::new();
+        for i in local() {
+            let (best, load, loaded) = of_model.entry(&self.candidates[i].model).or_default();
+            *best = best.max(self.prefixes[i].map_or(0.0, |p| p.cached_tokens));
+            if let Some(f) = self.features[i] {
+                *load += f.running + f.waiting;
+                *loaded += 1.0;
+            }
+        }
+        let mut bounds = vec![None; self.candidates.len()];
+        for i in local() {
+            let (best, load, loaded) = of_model[self.candidates[i].model.as_str()];
+            let full_above_load = if best <= 0.0 {
+                load / loaded.max(1.0) + 1.0
+            } else {
+                f64::INFINITY
+            };
+            bounds[i] = Some(RoomBounds {
+                best,
+                full_above_load,
+            });
+        }
+        bounds
     }
 
     /// Local candidates that carry a hot group: routed more than
@@ -644,43 +689,83 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{CandidateSet, PrefixPrediction, PromptUnits, in_subset};
+    use super::{CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, in_subset};
+    use crate::predict::TtftFeatures;
     use kinference_policy::eval::{Candidate, PrefixSource};
 
-    /// Which of `local`, candidates of `(model, recent routes)` followed
-    /// by a provider, carry a hot group.
-    fn hot_of(local: &[(&str, f64)]) -> Vec<bool> {
-        let prefix = PrefixPrediction {
-            cached_tokens: 0.0,
-            prompt: 100.0,
-            source: PrefixSource::Estimate,
-            block_size: None,
-            prompt_tokens: None,
-            estimated_prompt: 100,
-            index_block: 16.0,
-        };
-        let n = local.len() + 1;
+    /// Local candidates of `(model, cached tokens of a 100-token prompt,
+    /// requests running)`, followed by a provider.
+    fn set_of(local: &[(&str, f64, f64)]) -> CandidateSet {
         let mut candidates: Vec<Candidate> = local
             .iter()
-            .map(|(model, _)| Candidate {
+            .map(|(model, _, _)| Candidate {
                 model: model.to_string(),
                 ..Candidate::default()
             })
             .collect();
         candidates.push(Candidate::default());
-        let mut prefixes = vec![Some(prefix); local.len()];
+        let mut prefixes: Vec<_> = local
+            .iter()
+            .map(|&(_, cached, _)| {
+                Some(PrefixPrediction {
+                    cached_tokens: cached,
+                    prompt: 100.0,
+                    source: PrefixSource::Estimate,
+                    block_size: None,
+                    prompt_tokens: None,
+                    estimated_prompt: 100,
+                    index_block: 16.0,
+                })
+            })
+            .collect();
         prefixes.push(None);
-        let recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
-        let set = CandidateSet {
+        let mut features: Vec<_> = local
+            .iter()
+            .map(|&(_, cached, running)| Some(TtftFeatures::new(0.0, running, 100.0, cached, 0.0)))
+            .collect();
+        features.push(None);
+        CandidateSet {
             candidates,
             states: Vec::new(),
-            features: vec![None; n],
-            predicted: vec![None; n],
+            features,
+            predicted: vec![None; local.len() + 1],
             seeds: Vec::new(),
             prefixes,
             hot: Vec::new(),
+        }
+    }
+
+    /// Which of `local`, candidates of `(model, recent routes)` followed
+    /// by a provider, carry a hot group.
+    fn hot_of(local: &[(&str, f64)]) -> Vec<bool> {
+        let models: Vec<_> = local.iter().map(|&(model, _)| (model, 0.0, 0.0)).collect();
+        let recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
+        set_of(&models).hot_carriers(&recent_routes)
+    }
+
+    #[test]
+    fn a_prompt_is_cached_nowhere_when_no_pod_of_its_model_holds_it() {
+        // Model b's Pod holds the prompt (a system prompt both models
+        // share) and runs 10 requests: model a's Pods hold none of it, and
+        // a Pod of theirs has no room above 3, one request above their own
+        // mean of 2.
+        let set = set_of(&[("a", 0.0, 3.0), ("a", 0.0, 1.0), ("b", 100.0, 10.0)]);
+        let a = RoomBounds {
+            best: 0.0,
+            full_above_load: 3.0,
         };
-        set.hot_carriers(&recent_routes)
+        let b = RoomBounds {
+            best: 100.0,
+            full_above_load: f64::INFINITY,
+        };
+        assert_eq!(set.room_bounds(), [Some(a), Some(a), Some(b), None]);
+        // Among model a's Pods, the best-cached one sets the bound.
+        let set = set_of(&[("a", 20.0, 3.0), ("a", 60.0, 1.0)]);
+        let a = RoomBounds {
+            best: 60.0,
+            full_above_load: f64::INFINITY,
+        };
+        assert_eq!(set.room_bounds(), [Some(a), Some(a), None]);
     }
 
     #[test]
