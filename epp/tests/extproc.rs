@@ -116,6 +116,12 @@ async fn poll_until(tries: usize, mut done: impl FnMut() -> bool) {
 /// interval keeps fresh for the whole test (staleness: 3 intervals),
 /// however slow the machine.
 fn epp_over_pods(route: &str, pods: &[&str]) -> Epp {
+    let serving: Vec<(&str, &str)> = pods.iter().map(|&pod| (pod, "qwen")).collect();
+    epp_over_pods_serving(route, &serving)
+}
+
+/// As [`epp_over_pods`], each Pod of `pods` serving the model beside it.
+fn epp_over_pods_serving(route: &str, pods: &[(&str, &str)]) -> Epp {
     let epp = Epp::new(Settings {
         scrape_interval: Duration::from_secs(60),
         ..Settings::default()
@@ -125,7 +131,7 @@ fn epp_over_pods(route: &str, pods: &[&str]) -> Epp {
         .expect("policy compiles");
     let specs = pods
         .iter()
-        .map(|a| EndpointSpec::new(a.to_string(), &["qwen"]));
+        .map(|(a, model)| EndpointSpec::new(a.to_string(), &[model]));
     epp.registry()
         .replace_all(endpoints_from_specs(specs).unwrap());
     epp.registry().mark_synced();
@@ -1136,10 +1142,49 @@ struct Load {
     waiting: f64,
 }
 
+const OTHER_MODEL: &str = "10.0.0.3:8000";
+
+/// A prompt that only a Pod of another model holds (a system prompt two
+/// models share) is cached nowhere for this model's Pods: a busy one has
+/// no room for the new group, as in
+/// [`a_new_group_goes_where_its_working_set_fits`]. Read across models, the
+/// prompt looked cached somewhere, and the busy Pod with room took it.
+#[tokio::test]
+async fn a_prompt_another_models_pod_holds_is_cached_nowhere_for_this_one() {
+    let priced = "route: { select: [{ minimize: PredictedTTFT }] }";
+    let busy = Load {
+        running: 3.0,
+        waiting: 0.0,
+    };
+    let epp = epp_over_pods_serving(
+        priced,
+        &[
+            (TWO_GROUPS, "qwen"),
+            (ONE_GROUP, "qwen"),
+            (OTHER_MODEL, "llama"),
+        ],
+    );
+    let shared = model_group_request("llama", "Fourth group.", 225, 0, None);
+    let (to, shared_went) = placed_groups_case(&epp, busy, Some(shared)).await;
+    assert_eq!(shared_went.as_deref(), Some(OTHER_MODEL));
+    assert_eq!(to, TWO_GROUPS);
+}
+
 /// Where [`a_new_group_goes_where_its_working_set_fits`]'s fourth group
 /// goes under `route` with `load` on [`ONE_GROUP`].
 async fn new_group_case(route: &str, load: Load) -> String {
     let epp = epp_over_pods(route, &[TWO_GROUPS, ONE_GROUP]);
+    placed_groups_case(&epp, load, None).await.0
+}
+
+/// Where the fourth group goes when [`TWO_GROUPS`] holds two groups and
+/// [`ONE_GROUP`] one and runs `load`, after `before` (routed first, where
+/// the EPP picks) if given; and where `before` went.
+async fn placed_groups_case(
+    epp: &Epp,
+    load: Load,
+    before: Option<HttpRequest>,
+) -> (String, Option<String>) {
     let loaded = |pod: &str| {
         if pod == ONE_GROUP {
             load
@@ -1147,8 +1192,8 @@ async fn new_group_case(route: &str, load: Load) -> String {
             Load::default()
         }
     };
-    scrape_full_caches(&epp, |_| Load::default());
-    let client = serve_without_scraper(&epp).await;
+    scrape_full_caches(epp, |_| Load::default());
+    let client = serve_without_scraper(epp).await;
     let ask = |group: &str, only: Option<&str>| {
         let request = group_request(group, 225, 0, only);
         let client = &client;
@@ -1162,14 +1207,22 @@ async fn new_group_case(route: &str, load: Load) -> String {
     for (pod, group) in placed {
         assert_eq!(ask(group, Some(pod)).await, pod);
     }
+    let mut before_went = None;
+    if let Some(request) = before {
+        before_went = Some(primary_destination(&client, &request).await);
+    }
     // The index records a route beside its reply.
-    for (pod, blocks) in [(TWO_GROUPS, 450), (ONE_GROUP, 225)] {
+    let mut holds = vec![(TWO_GROUPS, 450), (ONE_GROUP, 225)];
+    if let Some(pod) = &before_went {
+        holds.push((pod.as_str(), 225));
+    }
+    for (pod, blocks) in holds {
         let state = epp.registry().state_at(pod).unwrap();
         poll_until(100, || state.prefix.len() >= blocks).await;
         assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
     }
-    scrape_full_caches(&epp, loaded);
-    ask("Fourth group.", None).await
+    scrape_full_caches(epp, loaded);
+    (ask("Fourth group.", None).await, before_went)
 }
 
 /// Sets every Pod's metrics: the load `load_of` its address, and a KV
@@ -1193,8 +1246,19 @@ fn scrape_full_caches(epp: &Epp, load_of: impl Fn(&str) -> Load) {
 /// prefix index long, with question number `question`: restricted to `only`
 /// where given.
 fn group_request(group: &str, blocks: usize, question: usize, only: Option<&str>) -> HttpRequest {
+    model_group_request("qwen", group, blocks, question, only)
+}
+
+/// [`group_request`] for `model`.
+fn model_group_request(
+    model: &str,
+    group: &str,
+    blocks: usize,
+    question: usize,
+    only: Option<&str>,
+) -> HttpRequest {
     let body = json!({
-        "model": "qwen",
+        "model": model,
         "messages": [
             { "role": "system", "content": format!("{group:<64}").repeat(blocks) },
             { "role": "user", "content": format!("Question {question}?") }
