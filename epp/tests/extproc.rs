@@ -1110,7 +1110,7 @@ const ONE_GROUP: &str = "10.0.0.2:8000";
 /// busier. Nothing reused would be pushed out now, so only the forecast
 /// sees this. The forecast weighs at most one queued request, so two
 /// requests waiting there outweigh it, and a Pod with more requests than
-/// one above the candidates' mean has no room either: its traffic would
+/// one above its model's Pods' mean has no room either: its traffic would
 /// queue the new group's. Under a TTFT SLO, which must see the request's
 /// own TTFT, the load decides.
 #[tokio::test]
@@ -1126,11 +1126,7 @@ async fn a_new_group_goes_where_its_working_set_fits() {
         waiting: 2.0,
     };
     assert_eq!(new_group_case(priced, queued).await, TWO_GROUPS);
-    let hot = Load {
-        running: 3.0,
-        waiting: 0.0,
-    };
-    assert_eq!(new_group_case(priced, hot).await, TWO_GROUPS);
+    assert_eq!(new_group_case(priced, THREE_RUNNING).await, TWO_GROUPS);
     let slo = "route:\n      exclude: [{ drop: { PredictedTTFT: { greaterThan: 30s } } }]\n      select: [{ minimize: PredictedTTFT }]";
     assert_eq!(new_group_case(slo, busier).await, TWO_GROUPS);
 }
@@ -1142,7 +1138,13 @@ struct Load {
     waiting: f64,
 }
 
-const OTHER_MODEL: &str = "10.0.0.3:8000";
+/// More than one request above the mean of two Pods, the other idle.
+const THREE_RUNNING: Load = Load {
+    running: 3.0,
+    waiting: 0.0,
+};
+
+const LLAMA_POD: &str = "10.0.0.3:8000";
 
 /// A prompt that only a Pod of another model holds (a system prompt two
 /// models share) is cached nowhere for this model's Pods: a busy one has
@@ -1152,21 +1154,16 @@ const OTHER_MODEL: &str = "10.0.0.3:8000";
 #[tokio::test]
 async fn a_prompt_another_models_pod_holds_is_cached_nowhere_for_this_one() {
     let priced = "route: { select: [{ minimize: PredictedTTFT }] }";
-    let busy = Load {
-        running: 3.0,
-        waiting: 0.0,
-    };
     let epp = epp_over_pods_serving(
         priced,
         &[
             (TWO_GROUPS, "qwen"),
             (ONE_GROUP, "qwen"),
-            (OTHER_MODEL, "llama"),
+            (LLAMA_POD, "llama"),
         ],
     );
     let shared = model_group_request("llama", "Fourth group.", 225, 0, None);
-    let (to, shared_went) = placed_groups_case(&epp, busy, Some(shared)).await;
-    assert_eq!(shared_went.as_deref(), Some(OTHER_MODEL));
+    let to = placed_groups_case(&epp, THREE_RUNNING, Some((shared, LLAMA_POD))).await;
     assert_eq!(to, TWO_GROUPS);
 }
 
@@ -1174,17 +1171,14 @@ async fn a_prompt_another_models_pod_holds_is_cached_nowhere_for_this_one() {
 /// goes under `route` with `load` on [`ONE_GROUP`].
 async fn new_group_case(route: &str, load: Load) -> String {
     let epp = epp_over_pods(route, &[TWO_GROUPS, ONE_GROUP]);
-    placed_groups_case(&epp, load, None).await.0
+    placed_groups_case(&epp, load, None).await
 }
 
 /// Where the fourth group goes when [`TWO_GROUPS`] holds two groups and
-/// [`ONE_GROUP`] one and runs `load`, after `before` (routed first, where
-/// the EPP picks) if given; and where `before` went.
-async fn placed_groups_case(
-    epp: &Epp,
-    load: Load,
-    before: Option<HttpRequest>,
-) -> (String, Option<String>) {
+/// [`ONE_GROUP`] one and runs `load`, every other Pod idle. `before`, if
+/// given, is a request of 225 blocks sent first, where the EPP picks, and
+/// the Pod it must go to.
+async fn placed_groups_case(epp: &Epp, load: Load, before: Option<(HttpRequest, &str)>) -> String {
     let loaded = |pod: &str| {
         if pod == ONE_GROUP {
             load
@@ -1207,22 +1201,19 @@ async fn placed_groups_case(
     for (pod, group) in placed {
         assert_eq!(ask(group, Some(pod)).await, pod);
     }
-    let mut before_went = None;
-    if let Some(request) = before {
-        before_went = Some(primary_destination(&client, &request).await);
+    let mut holds = vec![(TWO_GROUPS, 450), (ONE_GROUP, 225)];
+    if let Some((request, pod)) = before {
+        assert_eq!(primary_destination(&client, &request).await, pod);
+        holds.push((pod, 225));
     }
     // The index records a route beside its reply.
-    let mut holds = vec![(TWO_GROUPS, 450), (ONE_GROUP, 225)];
-    if let Some(pod) = &before_went {
-        holds.push((pod.as_str(), 225));
-    }
     for (pod, blocks) in holds {
         let state = epp.registry().state_at(pod).unwrap();
         poll_until(100, || state.prefix.len() >= blocks).await;
         assert!(state.prefix.len() >= blocks, "{pod} holds its groups");
     }
     scrape_full_caches(epp, loaded);
-    (ask("Fourth group.", None).await, before_went)
+    ask("Fourth group.", None).await
 }
 
 /// Sets every Pod's metrics: the load `load_of` its address, and a KV

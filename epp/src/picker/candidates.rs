@@ -509,7 +509,7 @@ impl CandidateSet {
     /// model that holds the prompt (one system prompt for two models) says
     /// nothing of where this model's group is, and its load is not this
     /// model's Pods' load. A Pod serving two models is a candidate of each,
-    /// holding the prompt for both.
+    /// and its one prefix index counts for both.
     fn room_bounds(&self) -> Vec<Option<RoomBounds>> {
         let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
         // Per model: the best cached prefix, and the loads scraped.
