@@ -511,31 +511,39 @@ impl CandidateSet {
     /// model's Pods' load. A Pod serving two models is a candidate of each,
     /// and its one prefix index counts for both.
     fn room_bounds(&self) -> Vec<Option<RoomBounds>> {
-        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
         // Per model: the best cached prefix, and the loads scraped.
-        let mut of_model: HashMap<&str, (f64, f64, f64)> = HashMap::new();
-        for i in local() {
-            let (best, load, loaded) = of_model.entry(&self.candidates[i].model).or_default();
+        let of_model = self.per_model(|(best, load, loaded): &mut (f64, f64, f64), i| {
             *best = best.max(self.prefixes[i].map_or(0.0, |p| p.cached_tokens));
             if let Some(f) = self.features[i] {
                 *load += f.running + f.waiting;
                 *loaded += 1.0;
             }
-        }
-        let mut bounds = vec![None; self.candidates.len()];
-        for i in local() {
-            let (best, load, loaded) = of_model[self.candidates[i].model.as_str()];
-            let full_above_load = if best <= 0.0 {
+        });
+        let bounds = |(best, load, loaded): (f64, f64, f64)| RoomBounds {
+            best,
+            full_above_load: if best <= 0.0 {
                 load / loaded.max(1.0) + 1.0
             } else {
                 f64::INFINITY
-            };
-            bounds[i] = Some(RoomBounds {
-                best,
-                full_above_load,
-            });
+            },
+        };
+        of_model.into_iter().map(|m| m.map(bounds)).collect()
+    }
+
+    /// Per candidate, `add` folded over the local candidates of its model
+    /// (`None` for a provider). A Pod serving two models is a candidate of
+    /// each.
+    fn per_model<T: Default + Copy>(&self, mut add: impl FnMut(&mut T, usize)) -> Vec<Option<T>> {
+        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
+        let mut of_model: HashMap<&str, T> = HashMap::new();
+        for i in local() {
+            add(of_model.entry(&self.candidates[i].model).or_default(), i);
         }
-        bounds
+        let mut folded = vec![None; self.candidates.len()];
+        for i in local() {
+            folded[i] = Some(of_model[self.candidates[i].model.as_str()]);
+        }
+        folded
     }
 
     /// Local candidates that carry a hot group: routed more than
@@ -560,22 +568,19 @@ impl CandidateSet {
     /// is over the Pods the request may go to (a subset hint of one or two
     /// flags none).
     fn hot_carriers(&self, recent_routes: &[f64]) -> Vec<bool> {
-        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
-        // Per model, its Pods' count and routes: a Pod serving two models
-        // is a candidate of each.
-        let mut of_model: HashMap<&str, (f64, f64)> = HashMap::new();
-        for i in local() {
-            let (pods, routes) = of_model.entry(&self.candidates[i].model).or_default();
+        // Per model, its Pods' count and routes.
+        let of_model = self.per_model(|(pods, routes): &mut (f64, f64), i| {
             *pods += 1.0;
             *routes += recent_routes[i];
-        }
-        let mut hot = vec![false; self.candidates.len()];
-        for i in local() {
-            let (pods, total) = of_model[self.candidates[i].model.as_str()];
+        });
+        let hot = |i: usize, (pods, total): (f64, f64)| {
             let routes = recent_routes[i];
-            hot[i] = routes >= HOT_MIN_ROUTES && routes * pods > HOT_SHARE * total;
-        }
-        hot
+            routes >= HOT_MIN_ROUTES && routes * pods > HOT_SHARE * total
+        };
+        let of_candidate = of_model.into_iter().enumerate();
+        of_candidate
+            .map(|(i, m)| m.is_some_and(|m| hot(i, m)))
+            .collect()
     }
 
     /// The best cached prefix among the local candidates of `model`, if
