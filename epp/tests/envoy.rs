@@ -13,7 +13,7 @@ use kinference_epp::picker::PickerConfig;
 use kinference_epp::predict::DestSnapshot;
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
-use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
+use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, ServedReport, Template};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -57,6 +57,8 @@ struct Setup {
     subset: Option<Vec<usize>>,
     /// `Template::Fallback` with a `BUFFERED` body.
     buffered_fallback: bool,
+    /// `Template::Fallback`: how Envoy names the host that answered.
+    served_report: ServedReport,
     /// `--decision-detail`.
     decision_detail: bool,
 }
@@ -74,6 +76,7 @@ impl Setup {
             response_header_mode: None,
             subset: None,
             buffered_fallback: false,
+            served_report: ServedReport::Metadata,
             decision_detail: false,
         }
     }
@@ -177,6 +180,7 @@ impl Stack {
                 .map(|ids| ids.iter().map(|&i| pods[i].addr().to_string()).collect()),
             response_header_mode: setup.response_header_mode,
             buffered: setup.buffered_fallback,
+            served_report: setup.served_report,
             ..Bootstrap::new(setup.template, epp_addr)
         };
         if let Some(bytes) = setup.listener_buffer_bytes {
@@ -608,6 +612,35 @@ async fn a_dead_primary_falls_back_along_the_epp_list() {
             assert_eq!(record.destination_metadata, Some(format!("{a},{b}")));
             assert_eq!(record.destination_header, Some(a.to_string()));
         }
+    }
+}
+
+/// After a fallback the answer is the fallback's: the pick is the one that
+/// failed, and the TTFT is the Pod's that answered, whichever way Envoy
+/// names that Pod to the EPP.
+#[tokio::test]
+async fn a_fallback_is_credited_to_the_pod_that_answered() {
+    for report in [ServedReport::Metadata, ServedReport::Attribute] {
+        let stack = Stack::start(Setup {
+            served_report: report,
+            ..Setup::new(Template::Fallback, PREFER_A, ab())
+        })
+        .await;
+        stack.pods[0].kill();
+        for i in 0..3 {
+            let id = format!("{report:?}-{i}");
+            let answer = stack.chat("qwen", "hi", &[("x-request-id", &id)]).await;
+            assert_eq!(answer.served_by.as_deref(), Some("b"), "{report:?}");
+            let record = stack.access(&id).await;
+            assert_eq!(record.attempts, 2, "{report:?}: not a fallback: {record:?}");
+        }
+        let (a, b) = (stack.learnt(0).await, stack.learnt(1).await);
+        assert!(a.error_rate > 0.5, "{report:?}: the dead pick: {a:?}");
+        assert!(
+            a.observed_ttft.is_none(),
+            "{report:?}: the dead pick: {a:?}"
+        );
+        assert!(b.observed_ttft.is_some(), "{report:?}: the fallback: {b:?}");
     }
 }
 

@@ -31,6 +31,10 @@ pub const DESTINATION_SUBSET: &str = "x-gateway-destination-endpoint-subset";
 pub const SERVED_ENDPOINT: &str = "x-gateway-destination-endpoint-served";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// Envoy's attributes for the ext_proc filter, keyed by the filter's name,
+/// and the one read: the address of the host that answered.
+pub const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
+pub const UPSTREAM_ADDRESS: &str = "upstream.address";
 /// Headers the EPP adds for observability.
 pub const RULE_HEADER: &str = "x-kinference-rule";
 /// `--decision-detail`: why the request went where it went. An `envoy.lb`

@@ -3,7 +3,7 @@
 //! [`Router`] in one call, what the response showed goes back in another,
 //! and [`reply::answer`] turns the decision into Envoy's replies.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, StreamedBodyResponse, body_mutation,
     processing_request::Request as Msg, processing_response::Response as Reply,
 };
+use envoy_types::pb::google::protobuf::Struct;
 use envoy_types::pb::google::protobuf::value::Kind;
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
@@ -175,7 +176,11 @@ impl<R: Router> Session<R> {
                 self.send(reply::continue_request_trailers()).await
             }
             Some(Msg::ResponseHeaders(h)) => {
-                let served = msg.metadata_context.as_ref().and_then(served_endpoint);
+                let served = msg
+                    .metadata_context
+                    .as_ref()
+                    .and_then(served_endpoint)
+                    .or_else(|| upstream_address(&msg.attributes));
                 self.on_response_headers(h.headers.as_ref(), served).await
             }
             Some(Msg::ResponseBody(b)) => self.on_response_body(b).await,
@@ -550,6 +555,18 @@ fn served_endpoint(md: &Metadata) -> Option<String> {
         .kind
         .as_ref()?
     {
+        Kind::StringValue(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// Envoy's `upstream.address` attribute (`response_attributes` on the
+/// filter): the host that answered, after any retry. Where the gateway sets
+/// no served-endpoint metadata (a load-balancing policy without
+/// `selected_host_key`), it still tells a fallback from the pick.
+fn upstream_address(attributes: &HashMap<String, Struct>) -> Option<String> {
+    let attributes = attributes.get(EXT_PROC_ATTRIBUTES)?;
+    match attributes.fields.get(UPSTREAM_ADDRESS)?.kind.as_ref()? {
         Kind::StringValue(s) => Some(s.clone()),
         _ => None,
     }

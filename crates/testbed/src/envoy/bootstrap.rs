@@ -27,6 +27,19 @@ impl Template {
     }
 }
 
+/// How a [`Template::Fallback`] gateway tells the EPP which host answered
+/// a request, a fallback's or the pick's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServedReport {
+    /// The override-host policy's `selected_host_key`: `envoy.lb`
+    /// `x-gateway-destination-endpoint-served` metadata, the protocol's.
+    Metadata,
+    /// The ext_proc filter's `response_attributes: [upstream.address]`.
+    Attribute,
+    /// Neither: the EPP cannot tell a fallback from its pick.
+    None,
+}
+
 /// Everything a template needs. Build with struct update syntax from
 /// [`Bootstrap::new`].
 #[derive(Debug, Clone)]
@@ -52,6 +65,8 @@ pub struct Bootstrap {
     /// [`Template::Fallback`] only: a `BUFFERED` request body (no response
     /// body or trailers) instead of `FULL_DUPLEX_STREAMED` both ways.
     pub buffered: bool,
+    /// [`Template::Fallback`] only.
+    pub served_report: ServedReport,
     /// The reference chart's 32 KiB unless set.
     pub listener_buffer_bytes: u32,
     /// Envoy worker threads.
@@ -87,6 +102,7 @@ impl Bootstrap {
             subset_hint: None,
             response_header_mode: None,
             buffered: false,
+            served_report: ServedReport::Metadata,
             listener_buffer_bytes: 32 * 1024,
             concurrency: 1,
             log_level: "warning".into(),
@@ -146,6 +162,8 @@ impl Bootstrap {
             ),
             ("PRE_FILTERS", self.pre_filters()),
             ("EPP_TRANSPORT_SOCKET", self.epp_transport_socket()),
+            ("SELECTED_HOST_KEY", self.selected_host_key()),
+            ("RESPONSE_ATTRIBUTES", self.response_attributes()),
         ];
         render(self.template.text(), &scalars, &blocks)
     }
@@ -192,6 +210,23 @@ impl Bootstrap {
              metadata: [{{ metadata_namespace: envoy.lb.subset_hint, value: \
              {{ x-gateway-destination-endpoint-subset: [{list}] }} }}] }} }}"
         )]
+    }
+
+    fn selected_host_key(&self) -> Vec<String> {
+        match self.served_report {
+            ServedReport::Metadata => vec![
+                "selected_host_key: { key: envoy.lb, path: [{ key: x-gateway-destination-endpoint-served }] }"
+                    .into(),
+            ],
+            _ => Vec::new(),
+        }
+    }
+
+    fn response_attributes(&self) -> Vec<String> {
+        match self.served_report {
+            ServedReport::Attribute => vec!["response_attributes: [upstream.address]".into()],
+            _ => Vec::new(),
+        }
     }
 
     fn epp_transport_socket(&self) -> Vec<String> {

@@ -6,5 +6,5 @@ mod bootstrap;
 mod process;
 
 pub use binary::{ENVOY_VERSION, ensure_envoy, locate_envoy};
-pub use bootstrap::{ACCESS_LOG_FORMAT, Bootstrap, ClientCert, Template};
+pub use bootstrap::{ACCESS_LOG_FORMAT, Bootstrap, ClientCert, ServedReport, Template};
 pub use process::{AccessRecord, Envoy};
