@@ -611,6 +611,28 @@ async fn response_path_calibrates_observed_ttft() {
         first.as_secs_f64() < 0.1,
         "the first choice keeps its own TTFT: {first:?}"
     );
+    // A served address that is no Pod of the pool (Envoy names an internal
+    // listener so): no fallback, the pick answered.
+    let errors_before = learnt(&served).error_rate(now);
+    assert!(errors_before > 0.0, "the fallback counts against the pick");
+    let (_, mut stream) = h
+        .client
+        .decide(&HttpRequest::post(
+            "/v1/chat/completions",
+            chat("qwen", "a third time"),
+        ))
+        .await
+        .unwrap();
+    stream
+        .response_headers(200, Some("envoy://connect_originate/"), Some(40.0))
+        .await
+        .unwrap();
+    stream.finish().await.unwrap();
+    let errors_after = learnt(&served).error_rate(std::time::Instant::now());
+    assert!(
+        errors_after < errors_before,
+        "a success of the pick: {errors_before} → {errors_after}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -71,7 +71,9 @@ pub struct ResponseFacts {
     /// `None`: the stream ended without response headers (the gateway skips
     /// them, or the client went away), so the outcome is unknown.
     pub status: Option<u16>,
-    /// `envoy.lb` `x-gateway-destination-endpoint-served`, when reported.
+    /// The host that answered, when reported: `envoy.lb`
+    /// `x-gateway-destination-endpoint-served` metadata, or else Envoy's
+    /// `upstream.address` attribute.
     pub served: Option<String>,
     /// When the response headers arrived (the first byte, as the EPP sees it).
     pub at: Option<Instant>,

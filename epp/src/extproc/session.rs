@@ -635,6 +635,33 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_upstream_address_is_read_as_a_string_under_the_filters_name() {
+        use envoy_types::pb::google::protobuf::Value;
+        let attributes = |filter: &str, kind: Kind| {
+            let value = Value { kind: Some(kind) };
+            let fields = [("upstream.address".to_string(), value)].into();
+            HashMap::from([(filter.to_string(), Struct { fields })])
+        };
+        let address = || Kind::StringValue("10.0.0.7:8000".into());
+        assert_eq!(
+            upstream_address(&attributes("envoy.filters.http.ext_proc", address())),
+            Some("10.0.0.7:8000".to_string())
+        );
+        assert_eq!(
+            upstream_address(&attributes(
+                "envoy.filters.http.ext_proc",
+                Kind::NumberValue(7.0)
+            )),
+            None
+        );
+        assert_eq!(
+            upstream_address(&attributes("envoy.filters.http.lua", address())),
+            None
+        );
+        assert_eq!(upstream_address(&HashMap::new()), None);
+    }
+
     fn local() -> Route {
         Route::Local(LocalRoute {
             rule: "r".into(),

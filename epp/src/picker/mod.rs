@@ -534,43 +534,44 @@ impl Router for Picker {
             ticket.guard.record(Outcome::Failure, now);
             return;
         }
-        match (ticket.address.as_deref(), facts.served.as_deref()) {
-            // The gateway went down the fallback list: the selected endpoint
-            // failed and another answered. Credit that one with the success
-            // and its TTFT; the model is calibrated only on the predicted one.
-            (Some(picked), Some(served)) if picked != served => {
-                if let Some(actual) = self.registry.state_at(served) {
-                    actual.stats.record_ttft(ttft, now);
-                    actual.stats.record_outcome(Outcome::Success, now);
-                }
-                ticket.guard.record(Outcome::Failure, now);
-                // The answer's cached count is another Pod's: not a check
-                // of this decision's prefix.
-                ticket.prefix = None;
-            }
-            _ => {
-                if let Some(predicted) = ticket.predicted_ttft {
-                    self.metrics
-                        .observe_ttft_prediction(predicted, ttft.as_secs_f64());
-                }
-                // The observed statistics count it now, the TTFT model once
-                // the engine has said what it had cached (see TtftSample).
-                ticket.state.stats.record_ttft(ttft, now);
-                // A refusal (400: context too long) answers at once, with
-                // nothing prefilled: not a TTFT to learn from.
-                let answered = (200..300).contains(&status);
-                let sample = ticket.features.take().filter(|_| answered).map(|f| {
-                    let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
-                    TtftSample::new(model, state, f, ttft.as_secs_f64())
-                });
-                if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
-                    ticket.sample = sample;
-                } else if let Some(sample) = sample {
-                    sample.learn();
-                }
-                ticket.guard.record(Outcome::Success, now);
-            }
+        // The gateway went down the fallback list: the selected endpoint
+        // failed and another answered. Credit that one with the success and
+        // its TTFT; the model is calibrated only on the predicted one. A
+        // served address that is no Pod of the pool (an Envoy internal
+        // address, a Service's) tells of no fallback.
+        let fallback = match (ticket.address.as_deref(), facts.served.as_deref()) {
+            (Some(picked), Some(served)) if picked != served => self.registry.state_at(served),
+            _ => None,
+        };
+        if let Some(actual) = fallback {
+            actual.stats.record_ttft(ttft, now);
+            actual.stats.record_outcome(Outcome::Success, now);
+            ticket.guard.record(Outcome::Failure, now);
+            // The answer's cached count is another Pod's: not a check of
+            // this decision's prefix.
+            ticket.prefix = None;
+            return;
         }
+        if let Some(predicted) = ticket.predicted_ttft {
+            self.metrics
+                .observe_ttft_prediction(predicted, ttft.as_secs_f64());
+        }
+        // The observed statistics count it now, the TTFT model once
+        // the engine has said what it had cached (see TtftSample).
+        ticket.state.stats.record_ttft(ttft, now);
+        // A refusal (400: context too long) answers at once, with
+        // nothing prefilled: not a TTFT to learn from.
+        let answered = (200..300).contains(&status);
+        let sample = ticket.features.take().filter(|_| answered).map(|f| {
+            let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
+            TtftSample::new(model, state, f, ttft.as_secs_f64())
+        });
+        if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
+            ticket.sample = sample;
+        } else if let Some(sample) = sample {
+            sample.learn();
+        }
+        ticket.guard.record(Outcome::Success, now);
     }
 
     fn wants_usage(&self, ticket: &Ticket) -> bool {
