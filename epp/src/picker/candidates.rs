@@ -421,7 +421,8 @@ impl CandidateSet {
     /// evicts now, or the forecast of `rooms` (`price_room`'s). A hot
     /// group spreads once its Pod's queue costs more than its share of a
     /// new replica, onto a Pod with room for it. Until a cache first
-    /// pushes a block out, the groups on it have not come back yet, so
+    /// pushes a block out (or holds one untouched for the reuse horizon,
+    /// `predict::prefix`), the groups on it have not come back yet, so
     /// nothing counts as reused there and only the forecast tells a Pod
     /// that would hold the group beside two others from one that must
     /// hold it beside three, where it and they are prefilled again and

@@ -16,6 +16,7 @@
 
 use super::sync::lock;
 use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -35,6 +36,16 @@ pub const MAX_BLOCKS: usize = 4096;
 /// KV-cache size: 16,384 blocks ≈ 262k tokens, a typical single-GPU vLLM
 /// server.
 pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 16_384;
+
+/// How long a block's reuse counts, in seconds: a block no request touched
+/// for this long belongs to a prompt whose requests stopped (a conversation
+/// ended, a system prompt retired). Pushing it out costs no one a prefill
+/// they would have skipped. Longer than a chat's pause between turns.
+pub const REUSE_HORIZON_SECS: u32 = 300;
+
+/// Reuse marks past the horizon are cleared at most this often (each
+/// sweep walks the blocks past it).
+const SWEEP_SECS: u32 = 15;
 
 /// Tokens in one block of [`DEFAULT_BLOCK_CHARS`] prompt bytes.
 pub const TOKENS_PER_BLOCK: f64 = DEFAULT_BLOCK_CHARS as f64 / 4.0;
@@ -125,22 +136,31 @@ struct Node {
 /// into `nodes`, addressed by the block hash's low bits. The hashes are already
 /// uniform (xxh3 with a secret seed), so they index the table directly, and the
 /// table stores 4-byte indices rather than (hash, index) pairs: 16 B per node,
-/// 1 B for its reused flag and 8–16 B of table per block, about half of a
-/// `HashMap<u64, u32>`.
+/// 1 B for its reused flag, 4 B for its last touch and 8–16 B of table per
+/// block, about half of a `HashMap<u64, u32>`.
+///
+/// Times are whole seconds since the owner's epoch (`now` below).
 struct BlockLru {
     slots: Vec<u32>,
     nodes: Vec<Node>,
     /// Per node: whether a request reused the block after the one that
-    /// stored it. A block one prompt brought and nobody sent again (a
-    /// user's own question) costs nothing to evict; a reused one will be
-    /// prefilled again by its next reuser.
+    /// stored it, within [`REUSE_HORIZON_SECS`]. A block one prompt brought
+    /// and nobody sent again (a user's own question) costs nothing to
+    /// evict; a reused one will be prefilled again by its next reuser,
+    /// unless its requests stopped.
     reused: Vec<bool>,
     /// How many of `reused` are set.
     reused_count: usize,
-    /// Whether a block was ever pushed out (or dropped by a shrink): until
-    /// then every block is as young as the Pod's traffic, and one that
-    /// nobody reused yet may simply not have had the time.
-    has_evicted: bool,
+    /// Per node: when a request last touched it.
+    touched: Vec<u32>,
+    /// When reuse marks past the horizon were last cleared.
+    swept: u32,
+    /// Whether the cache has had the time to tell the blocks requests come
+    /// back for from the one-offs: it pushed a block out (or a shrink
+    /// dropped one), or a block went untouched for the horizon. Until then
+    /// every block is as young as the Pod's traffic, and one that nobody
+    /// reused yet may simply not have had the time.
+    settled: bool,
     /// Most recently used.
     head: u32,
     /// Least recently used.
@@ -155,7 +175,9 @@ impl BlockLru {
             nodes: Vec::new(),
             reused: Vec::new(),
             reused_count: 0,
-            has_evicted: false,
+            touched: Vec::new(),
+            swept: 0,
+            settled: false,
             head: NIL,
             tail: NIL,
             // Node indices are u32 with NIL reserved, and the table needs
@@ -272,14 +294,15 @@ impl BlockLru {
         }
     }
 
-    /// Marks `h` most recently used, inserting it (and evicting the least
-    /// recently used block if full).
-    fn touch(&mut self, h: u64) {
+    /// Marks `h` most recently used at `now`, inserting it (and evicting the
+    /// least recently used block if full).
+    fn touch(&mut self, h: u64, now: u32) {
         if let Some((_, i)) = self.find(h) {
             if !self.reused[i as usize] {
                 self.reused[i as usize] = true;
                 self.reused_count += 1;
             }
+            self.touched[i as usize] = now;
             if self.head != i {
                 self.unlink(i);
                 self.push_front(i);
@@ -297,6 +320,7 @@ impl BlockLru {
                 next: NIL,
             });
             self.reused.push(false);
+            self.touched.push(now);
             (self.nodes.len() - 1) as u32
         } else {
             // Reuse the least recently used node for the new block.
@@ -310,7 +334,8 @@ impl BlockLru {
                 self.reused[i as usize] = false;
                 self.reused_count -= 1;
             }
-            self.has_evicted = true;
+            self.touched[i as usize] = now;
+            self.settled = true;
             i
         };
         self.insert_slot(i);
@@ -325,19 +350,53 @@ impl BlockLru {
             let mut keep = Vec::with_capacity(cap);
             let mut i = self.head;
             while i != NIL && keep.len() < cap {
-                keep.push((self.nodes[i as usize].hash, self.reused[i as usize]));
-                i = self.nodes[i as usize].next;
+                let i_ = i as usize;
+                keep.push((self.nodes[i_].hash, self.reused[i_], self.touched[i_]));
+                i = self.nodes[i_].next;
             }
+            let swept = self.swept;
             *self = Self::new(cap);
             // Re-insert oldest first so the most recent ends up at the head.
-            for &(h, reused) in keep.iter().rev() {
-                self.touch(h);
+            for &(h, reused, touched) in keep.iter().rev() {
+                self.touch(h, touched);
                 self.reused[self.head as usize] = reused;
                 self.reused_count += usize::from(reused);
             }
-            self.has_evicted = true;
+            self.swept = swept;
+            self.settled = true;
         }
         self.cap = cap;
+    }
+
+    /// Clears the reuse marks of the blocks no request touched for the
+    /// horizon, at most every [`SWEEP_SECS`]. They are the least recently
+    /// used: the walk from the tail stops at the first block touched since.
+    /// It walks again the blocks an earlier sweep cleared: a cache left
+    /// untouched costs a walk of its length (16,384 steps at the default
+    /// size, a few hundred microseconds) every [`SWEEP_SECS`], not more.
+    fn sweep(&mut self, now: u32) {
+        if now < self.swept.saturating_add(SWEEP_SECS) {
+            return;
+        }
+        self.swept = now;
+        let mut i = self.tail;
+        while i != NIL && now.saturating_sub(self.touched[i as usize]) >= REUSE_HORIZON_SECS {
+            self.settled = true;
+            if self.reused[i as usize] {
+                self.reused[i as usize] = false;
+                self.reused_count -= 1;
+            }
+            i = self.nodes[i as usize].prev;
+        }
+    }
+
+    /// Touches the chain at `now`, deepest block first: see the
+    /// prefix-closure note on [`PrefixCache`].
+    fn record(&mut self, hashes: &[u64], now: u32) {
+        self.sweep(now);
+        for &h in hashes.iter().rev() {
+            self.touch(h, now);
+        }
     }
 
     /// How many reused blocks storing `new` more blocks would evict: the
@@ -357,9 +416,9 @@ impl BlockLru {
     }
 
     /// The blocks requests keep coming back for: the reused ones, or every
-    /// one held until the cache first pushes one out.
+    /// one held until the cache has settled.
     fn working_set(&self) -> usize {
-        if self.has_evicted {
+        if self.settled {
             self.reused_count
         } else {
             self.nodes.len()
@@ -428,18 +487,26 @@ pub struct Growth {
 /// candidates × 3,500 blocks cost ~200 × 12 hash probes instead of one probe
 /// per (block, endpoint).
 ///
-/// Memory: 25–33 bytes per tracked block (16 B LRU node, its reused flag,
-/// 8–16 B of table), ~400 KiB for a full endpoint at
+/// Memory: 29–37 bytes per tracked block (16 B LRU node, its reused flag
+/// and last touch, 8–16 B of table), ~500 KiB for a full endpoint at
 /// [`DEFAULT_BLOCKS_PER_ENDPOINT`].
 pub struct PrefixCache {
     lru: Mutex<BlockLru>,
+    /// Time zero of the LRU's seconds.
+    epoch: Instant,
 }
 
 impl PrefixCache {
     pub fn new(capacity_blocks: usize) -> Self {
         PrefixCache {
             lru: Mutex::new(BlockLru::new(capacity_blocks)),
+            epoch: Instant::now(),
         }
+    }
+
+    /// Whole seconds since the epoch (u32: 136 years).
+    fn now(&self) -> u32 {
+        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
     }
 
     /// Number of leading `hashes` this destination has recently received.
@@ -456,37 +523,40 @@ impl PrefixCache {
         if hashes.is_empty() {
             return;
         }
+        // Read under the lock, so that touch times follow the list's order.
         let mut lru = lock(&self.lru);
-        // Deepest block first: see the prefix-closure note on the type.
-        for &h in hashes.iter().rev() {
-            lru.touch(h);
-        }
+        let now = self.now();
+        lru.record(hashes, now);
     }
 
-    /// How many blocks that requests reused would make room for the blocks
+    /// How many blocks that requests reused within the reuse horizon would
+    /// make room for the blocks
     /// of `hashes` not held here yet: what storing this prompt costs the
     /// prompts already here (`predict::reuse`). At most [`MAX_BLOCKS`]
     /// steps, since `hashes` has at most that many blocks.
     pub fn reused_evictions(&self, hashes: &[u64]) -> usize {
-        let lru = lock(&self.lru);
+        let mut lru = lock(&self.lru);
+        lru.sweep(self.now());
         let new = hashes.len() - lru.longest_prefix(hashes);
         lru.reused_evictions(new)
     }
 
     /// The blocks of `hashes` not held here, and how many of them would not
     /// fit beside the working set (the blocks requests keep coming back
-    /// for, or every block held until the cache first pushes one out): a
+    /// for, or every block held until the cache first pushes one out or
+    /// holds one untouched for the reuse horizon): a
     /// group placed where its working set does not fit has its prompts
     /// prefilled again and again. It does not walk the index.
     ///
-    /// Once blocks were pushed out, this never exceeds
+    /// Once the cache has settled, this never exceeds
     /// [`reused_evictions`](Self::reused_evictions), which also counts the
     /// reused blocks that are older than some one-off: it is the steady
     /// state, after the one-offs aged out. Before, it counts every block
     /// held, reused or not: a cold cache's groups have not had the time to
     /// come back.
     pub fn growth(&self, hashes: &[u64]) -> Growth {
-        let lru = lock(&self.lru);
+        let mut lru = lock(&self.lru);
+        lru.sweep(self.now());
         let new = hashes.len() - lru.longest_prefix(hashes);
         Growth {
             new,
@@ -667,7 +737,7 @@ mod tests {
                     1 => (rng.random_range(0..40u64) << 40) | rng.random_range(0..4u64),
                     _ => rng.random_range(0..(cap as u64 * 2 + 5)),
                 };
-                lru.touch(k);
+                lru.touch(k, 0);
                 let reused = match model.iter().position(|&(m, _)| m == k) {
                     Some(p) => {
                         model.remove(p);
@@ -809,6 +879,72 @@ mod tests {
         );
         let long = hashes(&text(5, 64 * 30));
         assert_eq!(e.growth(&long).overflow, 16 + 30 - 20);
+    }
+
+    #[test]
+    fn a_block_untouched_for_the_reuse_horizon_no_longer_counts_as_reused() {
+        let group = |seed| hashes(&text(seed, 64 * 8));
+        let (a, b) = (group(1), group(2));
+        let mut lru = BlockLru::new(20);
+        // Both groups sent twice: 16 reused blocks of 20.
+        for t in [0, 1] {
+            lru.record(&a, t);
+            lru.record(&b, t);
+        }
+        // Then `a`'s requests stop and `b`'s go on.
+        let horizon = REUSE_HORIZON_SECS;
+        lru.record(&b, horizon);
+        assert_eq!(lru.reused_count, 16, "a was touched 299 s ago");
+        assert_eq!(lru.working_set_overflow(8), 4, "a new group's 8 do not fit");
+        assert_eq!(lru.reused_evictions(12), 8, "12 new blocks push a out");
+        // The next sweep finds `a` untouched for the horizon: pushing it
+        // out costs no one, and it is no longer part of the working set.
+        let later = horizon + SWEEP_SECS;
+        lru.record(&b, later);
+        assert_eq!(lru.reused_count, 8);
+        assert_eq!(lru.reused_evictions(12), 0);
+        assert_eq!(lru.working_set_overflow(8), 0, "8 reused + 8 new fit in 20");
+        // Back again, `a` counts once more.
+        lru.record(&a, later);
+        assert_eq!(lru.reused_count, 16);
+    }
+
+    #[test]
+    fn a_shrink_keeps_each_blocks_last_touch() {
+        let group = |seed| hashes(&text(seed, 64 * 8));
+        let (a, b) = (group(1), group(2));
+        let mut lru = BlockLru::new(20);
+        for t in [0, 1] {
+            lru.record(&a, t);
+            lru.record(&b, t);
+        }
+        lru.record(&b, REUSE_HORIZON_SECS);
+        // Down to 12: `b`'s 8 and the first 4 of `a`, all reused.
+        lru.set_cap(12);
+        assert_eq!(lru.reused_count, 12);
+        // `a`'s 4 were touched at 1, `b`'s at 300: the sweep clears only
+        // `a`'s (with the times lost to 0, it would clear all).
+        lru.sweep(REUSE_HORIZON_SECS + SWEEP_SECS);
+        assert_eq!(lru.reused_count, 8);
+    }
+
+    #[test]
+    fn a_cache_that_never_filled_settles_once_a_block_outlives_the_horizon() {
+        let group = |seed| hashes(&text(seed, 64 * 8));
+        let (a, b, c) = (group(1), group(2), group(3));
+        let mut lru = BlockLru::new(20);
+        lru.record(&a, 0);
+        lru.record(&b, 0);
+        // Nothing pushed out, nothing old: every block counts, as a cold
+        // cache's groups may not have come back yet.
+        assert_eq!(lru.working_set_overflow(c.len()), 4);
+        // `b` keeps coming; `a` was sent once and never again.
+        lru.record(&b, 10);
+        lru.record(&b, REUSE_HORIZON_SECS - 1);
+        assert_eq!(lru.working_set_overflow(c.len()), 4, "a is 299 s old");
+        lru.sweep(REUSE_HORIZON_SECS - 1 + SWEEP_SECS);
+        assert_eq!(lru.reused_count, 8);
+        assert_eq!(lru.working_set_overflow(c.len()), 0, "only b is kept");
     }
 
     #[test]
