@@ -590,11 +590,12 @@ async fn response_path_calibrates_observed_ttft() {
         "{observed:?}"
     );
     // A fallback served instead of the first choice: its TTFT is its own.
+    // (A prompt of a few blocks, for the prefix index.)
     let (_, mut stream) = h
         .client
         .decide(&HttpRequest::post(
             "/v1/chat/completions",
-            chat("qwen", "again"),
+            chat("qwen", &"again ".repeat(50)),
         ))
         .await
         .unwrap();
@@ -603,6 +604,13 @@ async fn response_path_calibrates_observed_ttft() {
         .await
         .unwrap();
     stream.finish().await.unwrap();
+    // The fallback's Pod, never picked, now holds the prompt.
+    let fallback = h.epp.registry().state_at(&h.addr_of(1)).unwrap();
+    poll_until(100, || !fallback.prefix.is_empty()).await;
+    assert!(
+        !fallback.prefix.is_empty(),
+        "the fallback's prefix index is empty"
+    );
     let now = std::time::Instant::now();
     let credited = learnt(&h.addr_of(1)).observed_ttft(now).unwrap();
     assert!((credited.as_secs_f64() - 0.9).abs() < 0.01, "{credited:?}");

@@ -392,6 +392,9 @@ pub struct Ticket {
     predicted_ttft: Option<f64>,
     /// The cached prefix the decision counted on; `None` for a provider.
     prefix: Option<PrefixPrediction>,
+    /// The prompt's block hashes, recorded where it went; `None` for a
+    /// provider, or once moved to a fallback's Pod.
+    chain: Option<Arc<[u64]>>,
     decided_at: Instant,
 }
 
@@ -414,6 +417,7 @@ impl Ticket {
             usage_in_answer,
             predicted_ttft,
             prefix,
+            chain: None,
             decided_at: now,
         }
     }
@@ -438,6 +442,21 @@ impl Drop for Ticket {
     }
 }
 
+impl Picker {
+    /// The Pod `state` was sent a prompt with these block hashes at `now`:
+    /// its indexes hold it from now on.
+    fn remember_prompt(&self, state: Arc<DestinationState>, chain: Arc<[u64]>, now: Instant) {
+        state.kv.note_routed(now);
+        if self.precise.get().is_some() {
+            // Precise mode: the Pod's events will trail this route.
+            state.routed.record(Arc::clone(&chain), now);
+        }
+        // Indexing a long prompt costs a few hundred microseconds: done
+        // beside the reply, not before it.
+        tokio::spawn(async move { state.prefix.record(&chain) });
+    }
+}
+
 impl Router for Picker {
     type Ticket = Ticket;
 
@@ -458,7 +477,7 @@ impl Router for Picker {
                 None,
             ),
             Pick::Local(local) => {
-                let ticket = Ticket::new(
+                let mut ticket = Ticket::new(
                     Arc::clone(&local.state),
                     local.addresses.first().cloned(),
                     local.features,
@@ -466,18 +485,11 @@ impl Router for Picker {
                     local.prefix,
                     answer_reports_usage(request),
                 );
-                // Indexing a long prompt costs a few hundred microseconds:
-                // done beside the reply, not before it.
                 let now = Instant::now();
-                local.state.kv.note_routed(now);
-                let state = local.state;
                 let chain: Arc<[u64]> = local.prefix_hashes.into();
-                if self.precise.get().is_some() {
-                    // Precise mode: the Pod's events will trail this route.
-                    state.routed.record(Arc::clone(&chain), now);
-                }
                 self.routes.record(Arc::clone(&chain), now);
-                tokio::spawn(async move { state.prefix.record(&chain) });
+                self.remember_prompt(local.state, Arc::clone(&chain), now);
+                ticket.chain = Some(chain);
                 let route = Route::Local(LocalRoute {
                     rule: local.rule,
                     model: local.model,
@@ -546,6 +558,11 @@ impl Router for Picker {
         if let Some(actual) = fallback {
             actual.stats.record_ttft(ttft, now);
             actual.stats.record_outcome(Outcome::Success, now);
+            if let Some(chain) = ticket.chain.take() {
+                // Its engine holds the prompt now, as well as (or rather
+                // than) the pick's.
+                self.remember_prompt(actual, chain, now);
+            }
             ticket.guard.record(Outcome::Failure, now);
             // The answer's cached count is another Pod's: not a check of
             // this decision's prefix.
