@@ -854,6 +854,9 @@ async fn send(http: &HttpClient, url: &str, body: &Arc<Vec<u8>>) -> Result<Answe
 struct Outcomes {
     tally: Tally,
     first_bytes: Vec<Duration>,
+    /// Of an open loop's requests, those sent [`COLD_START`] or more after
+    /// its first: what a picker does once the pool's caches are warm.
+    warm_first_bytes: Vec<Duration>,
     /// Simulator → what it served.
     served: BTreeMap<String, Served>,
     /// Prompt tokens of the answers that reported usage, and how many of
@@ -938,6 +941,7 @@ impl Outcome for Outcomes {
     fn merge(&mut self, other: Self) {
         self.tally.merge(other.tally);
         self.first_bytes.extend(other.first_bytes);
+        self.warm_first_bytes.extend(other.warm_first_bytes);
         for (k, v) in other.served {
             self.served.entry(k).or_default().merge(v);
         }
@@ -947,12 +951,22 @@ impl Outcome for Outcomes {
 }
 
 impl Outcomes {
-    /// One answer; `group` is its shared-prefix group, if it has one.
-    fn record(&mut self, result: Result<Answer>, latency: Duration, group: Option<usize>) {
+    /// One answer; `group` is its shared-prefix group, if it has one, and
+    /// `warm` whether it was sent after the cold start.
+    fn record(
+        &mut self,
+        result: Result<Answer>,
+        latency: Duration,
+        group: Option<usize>,
+        warm: bool,
+    ) {
         match result {
             Ok(a) => {
                 self.tally.latencies.push(latency);
                 self.first_bytes.push(a.first_byte);
+                if warm {
+                    self.warm_first_bytes.push(a.first_byte);
+                }
                 if let Some(u) = a.usage {
                     self.prompt_tokens += u.prompt_tokens;
                     self.cached_tokens += u.cached_tokens;
@@ -1047,7 +1061,7 @@ async fn closed_loop(
                 let result = send(&http, target.url(id), &body).await;
                 if measured {
                     phase.completed();
-                    out.record(result, started.elapsed(), None);
+                    out.record(result, started.elapsed(), None, false);
                 }
             }
             out
@@ -1072,6 +1086,14 @@ fn finish(out: Outcomes, window: Window<GROUPS>, pids: Pids, envoy_before: Durat
         epp_rss,
     }
 }
+
+/// How long an open loop's start lasts. A workload's first rate starts from
+/// cold caches: each group's first prompt prefills in about 1.5 s on these
+/// simulators, and the queues those prefills build must drain. Every picker
+/// pays that; the TTFT of the requests sent after it tells the pickers'
+/// steady states apart. (A later rate starts from the last one's caches
+/// and queues.)
+const COLD_START: Duration = Duration::from_secs(3);
 
 /// Open loop: requests start at Poisson-distributed times at `rate` per
 /// second for `duration`, whatever the answers take (as inference-perf's
@@ -1102,17 +1124,19 @@ async fn open_loop(
         tokio::time::sleep_until(start + at).await;
         let (http, target, phase) = (http.clone(), target.clone(), phase.clone());
         let (group, body) = requests[id as usize % requests.len()].clone();
+        let warm = at >= COLD_START;
         tasks.push(tokio::spawn(async move {
             let mut out = Outcomes::default();
             let started = Instant::now();
             let result = send(&http, target.url(id), &body).await;
             phase.completed();
-            out.record(result, started.elapsed(), Some(group));
+            out.record(result, started.elapsed(), Some(group), warm);
             out
         }));
     }
     let (mut out, window) = phase.join(tasks).await;
     out.first_bytes.sort_unstable();
+    out.warm_first_bytes.sort_unstable();
     finish(out, window, pids, envoy_before)
 }
 
@@ -1996,10 +2020,10 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         "Medians over reps; \"÷ gie-default\" is each rep's TTFT p90 over the reference's in the same rep: median (worst). Cache hit = prompt tokens the simulators reported cached; Pods/group = simulators that served each system prompt.\n"
     );
     println!(
-        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | served by sim (rep 1) |"
+        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | p90 ms, sent after 3 s | p90 ÷ gie-default, sent after 3 s | served by sim (rep 1) |"
     );
     println!(
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
     );
     for phase in &phases {
         // Each row with its rep, so that ratios pair rows of one rep even
@@ -2021,7 +2045,14 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                 .map(|(rep, r)| (*rep, ttft(&r.m, 0.9)))
                 .collect()
         };
+        let warm_p90s = |name: &str| -> Vec<(usize, f64)> {
+            rows.iter()
+                .filter(|(_, r)| r.contender == name)
+                .filter_map(|(rep, r)| Some((*rep, warm_ttft(&r.m, 0.9)?)))
+                .collect()
+        };
         let (reference, rr) = (p90s("gie-default"), p90s("envoy-rr"));
+        let warm_reference = warm_p90s("gie-default");
         for name in names {
             let reps: Vec<&Row> = rows
                 .iter()
@@ -2032,10 +2063,11 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                 median(reps.iter().filter_map(|r| f(r)).collect())
             };
             let p90 = p90s(name);
+            let warm_p90 = warm_p90s(name);
             let fmt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".to_string(), f);
             let first = reps[0];
             println!(
-                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 phase.trim_start_matches(w.label).trim(),
                 reps.len(),
                 fmt(of(&|r| Some(r.m.measured() as f64)), &|v| format!("{v:.0}")),
@@ -2068,6 +2100,8 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                     &|v| format!("{v:.0}")
                 ),
                 reps.iter().map(|r| r.m.out.tally.errors).sum::<u64>(),
+                fmt(of(&|r| warm_ttft(&r.m, 0.9)), &|v| format!("{v:.0}")),
+                rep_ratios(&warm_p90, &warm_reference),
                 served(&first.m),
             );
         }
@@ -2167,6 +2201,12 @@ fn print_inference_perf_table(reports: &[Report], stage: Duration) {
 
 fn ttft(m: &Measured, q: f64) -> f64 {
     ms(quantile(&m.out.first_bytes, q))
+}
+
+/// The TTFT quantile of the requests sent after the cold start, if any.
+fn warm_ttft(m: &Measured, q: f64) -> Option<f64> {
+    let warm = &m.out.warm_first_bytes;
+    (!warm.is_empty()).then(|| ms(quantile(warm, q)))
 }
 
 fn print_summary(reports: &[Report], pods: usize) {
