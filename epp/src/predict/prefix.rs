@@ -881,19 +881,24 @@ mod tests {
         assert_eq!(e.growth(&long).overflow, 16 + 30 - 20);
     }
 
-    #[test]
-    fn a_block_untouched_for_the_reuse_horizon_no_longer_counts_as_reused() {
+    /// Two groups of 8 blocks, `a` and `b`, each sent at 0 and 1 s into a
+    /// cache of 20 (16 reused blocks); then only `b`, at the reuse horizon.
+    fn a_stops_b_goes_on() -> (BlockLru, Vec<u64>, Vec<u64>) {
         let group = |seed| hashes(&text(seed, 64 * 8));
         let (a, b) = (group(1), group(2));
         let mut lru = BlockLru::new(20);
-        // Both groups sent twice: 16 reused blocks of 20.
         for t in [0, 1] {
             lru.record(&a, t);
             lru.record(&b, t);
         }
-        // Then `a`'s requests stop and `b`'s go on.
+        lru.record(&b, REUSE_HORIZON_SECS);
+        (lru, a, b)
+    }
+
+    #[test]
+    fn a_block_untouched_for_the_reuse_horizon_no_longer_counts_as_reused() {
+        let (mut lru, a, b) = a_stops_b_goes_on();
         let horizon = REUSE_HORIZON_SECS;
-        lru.record(&b, horizon);
         assert_eq!(lru.reused_count, 16, "a was touched 299 s ago");
         assert_eq!(lru.working_set_overflow(8), 4, "a new group's 8 do not fit");
         assert_eq!(lru.reused_evictions(12), 8, "12 new blocks push a out");
@@ -911,14 +916,7 @@ mod tests {
 
     #[test]
     fn a_shrink_keeps_each_blocks_last_touch() {
-        let group = |seed| hashes(&text(seed, 64 * 8));
-        let (a, b) = (group(1), group(2));
-        let mut lru = BlockLru::new(20);
-        for t in [0, 1] {
-            lru.record(&a, t);
-            lru.record(&b, t);
-        }
-        lru.record(&b, REUSE_HORIZON_SECS);
+        let (mut lru, _, _) = a_stops_b_goes_on();
         // Down to 12: `b`'s 8 and the first 4 of `a`, all reused.
         lru.set_cap(12);
         assert_eq!(lru.reused_count, 12);
