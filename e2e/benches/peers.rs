@@ -2017,10 +2017,12 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         shape.output_tokens
     );
     println!(
-        "Medians over reps; \"÷ gie-default\" is each rep's TTFT p90 over the reference's in the same rep: median (worst). Cache hit = prompt tokens the simulators reported cached; Pods/group = simulators that served each system prompt.\n"
+        "Medians over reps; \"÷ gie-default\" is each rep's TTFT p90 over the reference's in the same rep: median (worst). Cache hit = prompt tokens the simulators reported cached; Pods/group = simulators that served each system prompt. \"Sent after {warm} s\": the requests sent {warm} s or more after the rate's start (a workload's first rate starts from cold caches).\n",
+        warm = COLD_START.as_secs()
     );
     println!(
-        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | p90 ms, sent after 3 s | p90 ÷ gie-default, sent after 3 s | served by sim (rep 1) |"
+        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | p90 ms, sent after {warm} s | p90 ÷ gie-default, sent after {warm} s | served by sim (rep 1) |",
+        warm = COLD_START.as_secs()
     );
     println!(
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"

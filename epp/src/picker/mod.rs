@@ -446,7 +446,9 @@ impl Picker {
     /// The Pod `state` was sent a prompt with these block hashes at `now`:
     /// its indexes hold it from now on.
     fn remember_prompt(&self, state: Arc<DestinationState>, chain: Arc<[u64]>, now: Instant) {
-        state.kv.note_routed(now);
+        if chain.is_empty() {
+            return;
+        }
         if self.precise.get().is_some() {
             // Precise mode: the Pod's events will trail this route.
             state.routed.record(Arc::clone(&chain), now);
@@ -488,6 +490,8 @@ impl Router for Picker {
                 let now = Instant::now();
                 let chain: Arc<[u64]> = local.prefix_hashes.into();
                 self.routes.record(Arc::clone(&chain), now);
+                // Its engine's events should follow (read by precise mode).
+                local.state.kv.note_routed(now);
                 self.remember_prompt(local.state, Arc::clone(&chain), now);
                 ticket.chain = Some(chain);
                 let route = Route::Local(LocalRoute {
@@ -536,6 +540,8 @@ impl Router for Picker {
     }
 
     fn complete(&self, ticket: &mut Ticket, facts: ResponseFacts) {
+        // Dropped now rather than with the stream: up to 32 KiB of hashes.
+        let chain = ticket.chain.take();
         // No response headers: neither a success nor a failure.
         let Some(status) = facts.status else { return };
         let now = facts.at.unwrap_or_else(Instant::now);
@@ -558,9 +564,10 @@ impl Router for Picker {
         if let Some(actual) = fallback {
             actual.stats.record_ttft(ttft, now);
             actual.stats.record_outcome(Outcome::Success, now);
-            if let Some(chain) = ticket.chain.take() {
-                // Its engine holds the prompt now, as well as (or rather
-                // than) the pick's.
+            // Its engine holds the prompt now, as well as (or rather than)
+            // the pick's; a refusal (400) prefilled nothing. Its events, if
+            // any, may have come already: not awaited.
+            if let Some(chain) = chain.filter(|_| (200..300).contains(&status)) {
                 self.remember_prompt(actual, chain, now);
             }
             ticket.guard.record(Outcome::Failure, now);
