@@ -47,6 +47,7 @@ pub struct Metrics {
     stream_refusals: Family<Labels, Counter>,
     ttft_prediction_error: Family<Labels, Histogram>,
     cached_prefix_error: Family<Labels, Histogram>,
+    fallback_answers: Counter,
     scrape: Arc<ScrapeStats>,
 }
 
@@ -175,6 +176,12 @@ impl Default for Metrics {
             "|predicted - reported| cached prompt tokens as a share of the prompt, for each answer from a Pod that reported both (vLLM: --enable-prompt-tokens-details), by the prediction's source (events: the Pod's KV events; estimate: what was routed there)",
             cached_prefix_error.clone(),
         );
+        let fallback_answers = Counter::default();
+        r.register(
+            "fallback_answers",
+            "Answers from another Pod than the one picked, as the gateway reported the Pod that answered: the pick failed and the gateway went down the fallback list",
+            fallback_answers.clone(),
+        );
         // kinference_epp_scrape_attempts_total, _scrape_failures_total{reason}
         scrape.register(&mut r);
         Metrics {
@@ -198,6 +205,7 @@ impl Default for Metrics {
             stream_refusals,
             ttft_prediction_error,
             cached_prefix_error,
+            fallback_answers,
             scrape,
         }
     }
@@ -332,6 +340,12 @@ impl Metrics {
         self.stream_refusals
             .get_or_create(&labels(&[("reason", reason)]))
             .inc();
+    }
+
+    /// The gateway reported another Pod than the pick as the one that
+    /// answered.
+    pub fn fallback_answered(&self) {
+        self.fallback_answers.inc();
     }
 
     pub fn bad_request(&self, reason: &str) {

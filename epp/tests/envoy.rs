@@ -635,6 +635,11 @@ async fn a_fallback_is_credited_to_the_pod_that_answered() {
             assert_eq!(record.attempts, 2, "{report:?}: not a fallback: {record:?}");
         }
         let (a, b) = (stack.learnt(0).await, stack.learnt(1).await);
+        let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+        assert!(
+            metrics.contains("\nkinference_epp_fallback_answers_total 3\n"),
+            "{report:?}: {metrics}"
+        );
         assert!(a.error_rate > 0.5, "{report:?}: the dead pick: {a:?}");
         assert!(
             a.observed_ttft.is_none(),

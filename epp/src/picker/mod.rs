@@ -562,6 +562,7 @@ impl Router for Picker {
             _ => None,
         };
         if let Some(actual) = fallback {
+            self.metrics.fallback_answered();
             actual.stats.record_ttft(ttft, now);
             actual.stats.record_outcome(Outcome::Success, now);
             // Its engine holds the prompt now, as well as (or rather than)
