@@ -118,6 +118,9 @@ impl DestinationState {
             self.kv
                 .set_capacity(usize::try_from(blocks).unwrap_or(usize::MAX));
         }
+        // Here rather than on a request's path: a Pod that receives nothing
+        // still has its marks expire.
+        self.prefix.expire_reuse();
         self.stats.note_scrape(sent);
     }
 }

@@ -535,8 +535,7 @@ impl PrefixCache {
     /// prompts already here (`predict::reuse`). At most [`MAX_BLOCKS`]
     /// steps, since `hashes` has at most that many blocks.
     pub fn reused_evictions(&self, hashes: &[u64]) -> usize {
-        let mut lru = lock(&self.lru);
-        lru.sweep(self.now());
+        let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
         lru.reused_evictions(new)
     }
@@ -555,13 +554,22 @@ impl PrefixCache {
     /// held, reused or not: a cold cache's groups have not had the time to
     /// come back.
     pub fn growth(&self, hashes: &[u64]) -> Growth {
-        let mut lru = lock(&self.lru);
-        lru.sweep(self.now());
+        let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
         Growth {
             new,
             overflow: lru.working_set_overflow(new),
         }
+    }
+
+    /// Clears the reuse marks of blocks no request touched for
+    /// [`REUSE_HORIZON_SECS`] (at most every few seconds: a no-op
+    /// between). Called after each scrape and each record, never on a
+    /// request's path: a sweep may walk the whole cache.
+    pub fn expire_reuse(&self) {
+        let mut lru = lock(&self.lru);
+        let now = self.now();
+        lru.sweep(now);
     }
 
     /// Resizes to `capacity_blocks` (the server's real cache size); shrinking
