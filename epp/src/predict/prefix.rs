@@ -923,6 +923,29 @@ mod tests {
     }
 
     #[test]
+    fn expire_reuse_clears_the_marks_past_the_horizon_by_the_caches_clock() {
+        let started = Instant::now()
+            .checked_sub(std::time::Duration::from_secs(400))
+            .expect("the clock is past 400 s");
+        // A cache whose epoch was 400 s ago: its clock reads 400.
+        let e = PrefixCache {
+            lru: Mutex::new(BlockLru::new(20)),
+            epoch: started,
+        };
+        // Touched without a sweep: `old` twice at 0 s, `recent` twice at
+        // 399 s.
+        let (old, recent) = (hashes(&text(1, 64 * 8)), hashes(&text(2, 64 * 8)));
+        let mut lru = lock(&e.lru);
+        for (chain, at) in [(&old, 0), (&old, 0), (&recent, 399), (&recent, 399)] {
+            chain.iter().rev().for_each(|&h| lru.touch(h, at));
+        }
+        assert_eq!(lru.reused_count, 16);
+        drop(lru);
+        e.expire_reuse();
+        assert_eq!(lock(&e.lru).reused_count, 8, "only `recent`'s marks stay");
+    }
+
+    #[test]
     fn a_shrink_keeps_each_blocks_last_touch() {
         let (mut lru, _, _) = a_stops_b_goes_on();
         // Down to 12: `b`'s 8 and the first 4 of `a`, all reused.
