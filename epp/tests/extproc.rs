@@ -158,6 +158,18 @@ impl Harness {
         stream.finish_with(body).await.unwrap();
     }
 
+    /// Decides a chat for `qwen` and answers it as a gateway whose
+    /// `served` host answered, the first byte after `ttft_ms`.
+    async fn answer_from(&self, prompt: &str, served: &str, ttft_ms: f64) {
+        let request = HttpRequest::post("/v1/chat/completions", chat("qwen", prompt));
+        let (_, mut stream) = self.client.decide(&request).await.unwrap();
+        stream
+            .response_headers(200, Some(served), Some(ttft_ms))
+            .await
+            .unwrap();
+        stream.finish().await.unwrap();
+    }
+
     async fn wait_for_metrics(&self) {
         assert!(
             self.epp
@@ -591,19 +603,8 @@ async fn response_path_calibrates_observed_ttft() {
     );
     // A fallback served instead of the first choice: its TTFT is its own.
     // (A prompt of a few blocks, for the prefix index.)
-    let (_, mut stream) = h
-        .client
-        .decide(&HttpRequest::post(
-            "/v1/chat/completions",
-            chat("qwen", &"again ".repeat(50)),
-        ))
-        .await
-        .unwrap();
-    stream
-        .response_headers(200, Some(&h.addr_of(1)), Some(900.0))
-        .await
-        .unwrap();
-    stream.finish().await.unwrap();
+    h.answer_from(&"again ".repeat(50), &h.addr_of(1), 900.0)
+        .await;
     // The fallback's Pod, never picked, now holds the prompt.
     let fallback = h.epp.registry().state_at(&h.addr_of(1)).unwrap();
     poll_until(100, || !fallback.prefix.is_empty()).await;
@@ -623,19 +624,8 @@ async fn response_path_calibrates_observed_ttft() {
     // listener so): no fallback, the pick answered.
     let errors_before = learnt(&served).error_rate(now);
     assert!(errors_before > 0.0, "the fallback counts against the pick");
-    let (_, mut stream) = h
-        .client
-        .decide(&HttpRequest::post(
-            "/v1/chat/completions",
-            chat("qwen", "a third time"),
-        ))
-        .await
-        .unwrap();
-    stream
-        .response_headers(200, Some("envoy://connect_originate/"), Some(40.0))
-        .await
-        .unwrap();
-    stream.finish().await.unwrap();
+    h.answer_from("a third time", "envoy://connect_originate/", 40.0)
+        .await;
     let errors_after = learnt(&served).error_rate(std::time::Instant::now());
     assert!(
         errors_after < errors_before,
