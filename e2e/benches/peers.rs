@@ -2041,18 +2041,15 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                 names.push(r.contender);
             }
         }
-        let p90s = |name: &str| -> Vec<(usize, f64)> {
+        // Per rep of contender `name`, what `of` reads from its phase.
+        let per_rep = |name: &str, of: &dyn Fn(&Measured) -> Option<f64>| -> Vec<(usize, f64)> {
             rows.iter()
                 .filter(|(_, r)| r.contender == name)
-                .map(|(rep, r)| (*rep, ttft(&r.m, 0.9)))
+                .filter_map(|(rep, r)| Some((*rep, of(&r.m)?)))
                 .collect()
         };
-        let warm_p90s = |name: &str| -> Vec<(usize, f64)> {
-            rows.iter()
-                .filter(|(_, r)| r.contender == name)
-                .filter_map(|(rep, r)| Some((*rep, warm_ttft(&r.m, 0.9)?)))
-                .collect()
-        };
+        let p90s = |name: &str| per_rep(name, &|m| Some(ttft(m, 0.9)));
+        let warm_p90s = |name: &str| per_rep(name, &|m| warm_ttft(m, 0.9));
         let (reference, rr) = (p90s("gie-default"), p90s("envoy-rr"));
         let warm_reference = warm_p90s("gie-default");
         for name in names {

@@ -552,6 +552,9 @@ impl Router for Picker {
             ticket.guard.record(Outcome::Failure, now);
             return;
         }
+        // A refusal (400: context too long) answers at once, with nothing
+        // prefilled: no prompt stored, no TTFT to learn from.
+        let answered = (200..300).contains(&status);
         // The gateway went down the fallback list: the selected endpoint
         // failed and another answered. Credit that one with the success and
         // its TTFT; the model is calibrated only on the predicted one. A
@@ -566,9 +569,9 @@ impl Router for Picker {
             actual.stats.record_ttft(ttft, now);
             actual.stats.record_outcome(Outcome::Success, now);
             // Its engine holds the prompt now, as well as (or rather than)
-            // the pick's; a refusal (400) prefilled nothing. Its events, if
-            // any, may have come already: not awaited.
-            if let Some(chain) = chain.filter(|_| (200..300).contains(&status)) {
+            // the pick's. Its events, if any, may have come already: not
+            // awaited.
+            if let Some(chain) = chain.filter(|_| answered) {
                 self.remember_prompt(actual, chain, now);
             }
             ticket.guard.record(Outcome::Failure, now);
@@ -584,9 +587,6 @@ impl Router for Picker {
         // The observed statistics count it now, the TTFT model once
         // the engine has said what it had cached (see TtftSample).
         ticket.state.stats.record_ttft(ttft, now);
-        // A refusal (400: context too long) answers at once, with
-        // nothing prefilled: not a TTFT to learn from.
-        let answered = (200..300).contains(&status);
         let sample = ticket.features.take().filter(|_| answered).map(|f| {
             let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
             TtftSample::new(model, state, f, ttft.as_secs_f64())

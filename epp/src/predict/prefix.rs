@@ -530,10 +530,10 @@ impl PrefixCache {
     }
 
     /// How many blocks that requests reused within the reuse horizon would
-    /// make room for the blocks
-    /// of `hashes` not held here yet: what storing this prompt costs the
-    /// prompts already here (`predict::reuse`). At most [`MAX_BLOCKS`]
-    /// steps, since `hashes` has at most that many blocks.
+    /// make room for the blocks of `hashes` not held here yet: what storing
+    /// this prompt costs the prompts already here (`predict::reuse`). At
+    /// most [`MAX_BLOCKS`] steps, since `hashes` has at most that many
+    /// blocks.
     pub fn reused_evictions(&self, hashes: &[u64]) -> usize {
         let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
@@ -543,9 +543,9 @@ impl PrefixCache {
     /// The blocks of `hashes` not held here, and how many of them would not
     /// fit beside the working set (the blocks requests keep coming back
     /// for, or every block held until the cache first pushes one out or
-    /// holds one untouched for the reuse horizon): a
-    /// group placed where its working set does not fit has its prompts
-    /// prefilled again and again. It does not walk the index.
+    /// holds one untouched for the reuse horizon): a group placed where its
+    /// working set does not fit has its prompts prefilled again and again.
+    /// It does not walk the index.
     ///
     /// Once the cache has settled, this never exceeds
     /// [`reused_evictions`](Self::reused_evictions), which also counts the
