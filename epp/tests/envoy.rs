@@ -620,32 +620,36 @@ async fn a_dead_primary_falls_back_along_the_epp_list() {
 /// names that Pod to the EPP.
 #[tokio::test]
 async fn a_fallback_is_credited_to_the_pod_that_answered() {
-    for report in [ServedReport::Metadata, ServedReport::Attribute] {
+    let reports = [ServedReport::Metadata, ServedReport::Attribute];
+    for (report, buffered) in reports.into_iter().flat_map(|r| [(r, false), (r, true)]) {
         let stack = Stack::start(Setup {
             served_report: report,
+            buffered_fallback: buffered,
             ..Setup::new(Template::Fallback, PREFER_A, ab())
         })
         .await;
+        // Access-log fields are space-separated: the request ids have none.
+        let (report, ids) = (
+            format!("{report:?}, buffered {buffered}"),
+            format!("{report:?}-{buffered}"),
+        );
         stack.pods[0].kill();
         for i in 0..3 {
-            let id = format!("{report:?}-{i}");
+            let id = format!("{ids}-{i}");
             let answer = stack.chat("qwen", "hi", &[("x-request-id", &id)]).await;
-            assert_eq!(answer.served_by.as_deref(), Some("b"), "{report:?}");
+            assert_eq!(answer.served_by.as_deref(), Some("b"), "{report}");
             let record = stack.access(&id).await;
-            assert_eq!(record.attempts, 2, "{report:?}: not a fallback: {record:?}");
+            assert_eq!(record.attempts, 2, "{report}: not a fallback: {record:?}");
         }
         let (a, b) = (stack.learnt(0).await, stack.learnt(1).await);
         let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
         assert!(
             metrics.contains("\nkinference_epp_fallback_answers_total 3\n"),
-            "{report:?}: {metrics}"
+            "{report}: {metrics}"
         );
-        assert!(a.error_rate > 0.5, "{report:?}: the dead pick: {a:?}");
-        assert!(
-            a.observed_ttft.is_none(),
-            "{report:?}: the dead pick: {a:?}"
-        );
-        assert!(b.observed_ttft.is_some(), "{report:?}: the fallback: {b:?}");
+        assert!(a.error_rate > 0.5, "{report}: the dead pick: {a:?}");
+        assert!(a.observed_ttft.is_none(), "{report}: the dead pick: {a:?}");
+        assert!(b.observed_ttft.is_some(), "{report}: the fallback: {b:?}");
     }
 }
 
