@@ -12,16 +12,20 @@
 //! came out 2–10× off, and those are the predictions that decide whether a
 //! request keeps its cached prefix.
 //!
-//! Within a factor of [`OBSERVED_BAND`], the step then weighs the error
-//! against the observed TTFT instead, the error a prediction is judged by.
-//! Against the prediction, an over-prediction's relative error is at most 1
-//! and an under-prediction's is unbounded, so the fit followed the slow tail
-//! of a loaded machine's TTFTs (contention, a queue the scrape missed) and
-//! put most predictions above the TTFT observed: on the peer benchmark, 53–63%
-//! of them too high, and 51–74% within 25% against 60–83% now. Beyond the
-//! band a sample is an outlier or a prefix the index mislabelled, and keeps
-//! its weight: weighed against the observed TTFT, a "prefill" answered in
-//! cached time would drive the prefill cost to nothing.
+//! Weighed that way alone, the fit converges on the mean TTFT for given
+//! inputs. A loaded machine's TTFTs are skewed to the slow side (a core the
+//! engine waited for, a queue the scrape missed), so the mean sits above most
+//! of them, while a prediction is judged by its error relative to the TTFT
+//! observed. So a sample slower than predicted, by at most [`OBSERVED_BAND`]
+//! times, is also weighed by `(predicted / observed)²`, which makes its
+//! error relative to the observed TTFT, and the fit lands nearer the typical
+//! TTFT (BENCHMARKS.md, "what the TTFT model's inputs can explain"). A
+//! faster sample keeps its weight: weighed more, a fast tail (a queue the
+//! scrape showed that had drained) would drag the fit below most TTFTs, and
+//! a prefix mislabelled as uncached, answered in cached time, would drive
+//! the prefill cost to nothing. So does a sample more than `OBSERVED_BAND`
+//! times slower: a shift, which the model must follow, or a prefix
+//! mislabelled as cached, which the clip bounds.
 //!
 //! Started from priors (base 20 ms, prefill at 5,000 tok/s, a queued request
 //! costing ~250 ms, i.e. about one average prefill plus a few decode steps)
@@ -59,8 +63,8 @@ const PREFILL_SHARE: f64 = 0.25;
 /// and the covariance stays well conditioned.
 const TOKEN_SCALE: f64 = 1e-3;
 
-/// Samples predicted within this factor of their TTFT, above or below, are
-/// weighed as errors relative to the observed TTFT (see the module doc).
+/// Samples at most this many times slower than predicted are weighed as
+/// errors relative to the observed TTFT (see the module doc).
 const OBSERVED_BAND: f64 = 3.0;
 
 /// Residual scale, in units of the expected noise, at which the model
@@ -192,9 +196,9 @@ pub struct TtftConfig {
     /// Expected TTFT noise as a share of the TTFT; scales the prior
     /// covariance and seeds the residual scale used for outlier clipping.
     pub relative_noise: f64,
-    /// Predicted TTFTs under this (s) weigh observations as if they were this
-    /// long: below it the difference is timer and network noise, not the
-    /// model's.
+    /// Predicted and observed TTFTs under this (s) weigh observations as if
+    /// they were this long: below it the difference is timer and network
+    /// noise, not the model's.
     pub weight_floor: f64,
     /// RLS forgetting factor (0.99 ≈ remembers the last ~100 samples).
     pub forgetting: f64,
@@ -372,11 +376,12 @@ impl Rls {
     }
 
     /// One observation, as a relative error: the regressor and the target
-    /// are divided by the predicted TTFT (at least the floor), which the
-    /// outlier clip and the shift detection read. Not by the observed one:
-    /// after a slowdown the new, slower samples would then weigh less than
-    /// the old fast ones, and the model would hardly move. The step's weight
-    /// then makes it relative to the observed TTFT within the band.
+    /// are divided by the predicted TTFT (at least the floor), in which unit
+    /// the outlier clip and the shift detection judge it. Not by the observed
+    /// one: after a slowdown the new, slower samples would then weigh ever
+    /// less than the old fast ones, and the model would hardly move. The
+    /// step's weight does that only within the band, which moves the fit
+    /// toward the typical TTFT; beyond it a slower sample weighs in full.
     fn update(&mut self, x: &[f64; DIM], y: f64, prm: &Params) {
         let scale = self.predict(x).max(prm.floor);
         let weight = observed_weight(scale, y.max(prm.floor));
@@ -415,19 +420,19 @@ impl Rls {
             free[TOKEN] = false;
             xf[TOKEN] = 0.0;
         }
-        // The clip and the residual scale read the unweighted spread: they
-        // judge the error, the weight only how far the step follows it.
-        let spread = self.gain(&xf, prm.lambda).1.sqrt();
         // A weight w divides the noise's variance by w: λ/w in the gain.
         let lambda = prm.lambda / weight;
         let (mut px, mut denom) = self.gain(&xf, lambda);
-        if !(denom.is_finite() && denom > 0.0) {
+        // The clip and the residual scale judge the error unweighted, as the
+        // spread an unweighted sample would have: the weight says only how
+        // far the step follows it.
+        let spread = (denom - lambda + prm.lambda).sqrt();
+        if !(denom.is_finite() && denom > 0.0 && spread.is_finite() && spread > 0.0) {
             self.reset_cov(prm);
             return;
         }
-        // The innovation's expected spread is σ·spread: wide while the model
-        // is uncertain (so the prior is left quickly), ≈ σ once it has
-        // converged.
+        // That spread is σ·spread: wide while the model is uncertain (so the
+        // prior is left quickly), ≈ σ once it has converged.
         // Clip at 4 such spreads (Huber-like), but never below 10% of the
         // prediction (with a small configured noise the spreads could be).
         let pred = self.predict(x);
@@ -511,12 +516,13 @@ impl Rls {
     }
 }
 
-/// The step's weight that turns an error relative to the prediction into
-/// one relative to the observed TTFT, `(predicted / observed)²`, within
-/// [`OBSERVED_BAND`]; 1 beyond it.
+/// The step's weight: `(predicted / observed)²` for a sample slower than
+/// predicted by at most [`OBSERVED_BAND`] times, which turns its error
+/// relative to the prediction into one relative to the observed TTFT; 1
+/// otherwise.
 fn observed_weight(predicted: f64, observed: f64) -> f64 {
     let ratio = predicted / observed;
-    if (1.0 / OBSERVED_BAND..=OBSERVED_BAND).contains(&ratio) {
+    if (1.0 / OBSERVED_BAND..=1.0).contains(&ratio) {
         ratio * ratio
     } else {
         1.0
@@ -950,36 +956,87 @@ mod tests {
         }
     }
 
-    /// A loaded machine's cached answers: most within 10% of the law, one
-    /// in four 1.4–3× slower (a core the engine waited for, a queue the
-    /// scrape missed). The TTFT observed on the peer benchmark's simulators
-    /// at 64 req/s, for requests alike in every input, spread like this
-    /// (p10/p50/p90 12/16/25 ms).
-    fn right_skewed(rng: &mut StdRng) -> (TtftFeatures, f64) {
+    /// Cached answers, most within 5% of the law and one in four `tail`
+    /// times it. A loaded machine's tail is slower (a core the engine
+    /// waited for, a queue the scrape missed): on the peer benchmark,
+    /// answers alike in every input took 12/16/25 ms (p10/p50/p90). These
+    /// tails are longer, so that a fit on the mean and one on the typical
+    /// TTFT differ clearly.
+    fn tailed(rng: &mut StdRng, tail: std::ops::Range<f64>) -> (TtftFeatures, f64) {
         let f = TtftFeatures::new(0.0, rng.random_range(0..4) as f64, 30.0, 0.0, 0.2);
         let law = 0.005 + 0.0004 * f.uncached_tokens;
         let y = if rng.random_range(0..4) == 0 {
-            law * rng.random_range(1.4..3.0)
+            law * rng.random_range(tail)
         } else {
             law * (1.0 + 0.05 * gauss(rng))
         };
         (f, y)
     }
 
-    #[test]
-    fn a_slow_tail_does_not_lift_the_typical_prediction() {
+    /// The share of predictions within 25% after learning from `tailed`.
+    fn within_25_of_tailed(tail: std::ops::Range<f64>) -> f64 {
         let mut rng = StdRng::seed_from_u64(8);
         let p = TtftPredictor::default();
         let e = &EndpointTtft::default();
         for _ in 0..1000 {
-            let (f, y) = right_skewed(&mut rng);
+            let (f, y) = tailed(&mut rng, tail.clone());
             p.observe(e, &f, y);
         }
-        let samples: Vec<_> = (0..2000).map(|_| right_skewed(&mut rng)).collect();
-        // The law itself is within 25% of three in four; the mean of the
-        // TTFTs (1.3× the law) of about one in three.
-        let share = within_25(&p, e, &samples);
-        assert!(share >= 0.65, "{share} within 25%: {:?}", p.coefficients(e));
+        let samples: Vec<_> = (0..2000).map(|_| tailed(&mut rng, tail.clone())).collect();
+        within_25(&p, e, &samples)
+    }
+
+    #[test]
+    fn a_slow_tail_does_not_lift_the_typical_prediction() {
+        // The law is within 25% of three in four of these TTFTs; their
+        // mean (1.3 times the law) of about one in five. The fit on the
+        // mean put 37% there.
+        let share = within_25_of_tailed(1.4..3.0);
+        assert!(share >= 0.65, "{share} within 25%");
+    }
+
+    #[test]
+    fn a_fast_tail_does_not_drag_the_typical_prediction_down() {
+        // Answers faster than their inputs say (a queue the scrape showed
+        // that had drained): the law is within 25% of three in four. Fast
+        // samples weighed against the observed TTFT put 16% there.
+        let share = within_25_of_tailed(0.35..0.75);
+        assert!(share >= 0.55, "{share} within 25%");
+    }
+
+    #[test]
+    fn a_moderate_slowdown_is_followed() {
+        let p = TtftPredictor::default();
+        let mut rng = StdRng::seed_from_u64(9);
+        let e = &EndpointTtft::default();
+        let law = LAWS[1];
+        // Every term half as slow again: not far enough to be a shift, so
+        // followed by the fit alone, with these samples weighed at 0.44.
+        // After 100 of them the unweighted fit was 9% short of the new law
+        // and this one 13%; weighed at 0.04 (ratio⁸) it stayed 28% short.
+        let slower = Law {
+            base: law.base * 1.5,
+            q: law.q * 1.5,
+            r: law.r * 1.5,
+            tok_per_s: law.tok_per_s / 1.5,
+            kv: law.kv * 1.5,
+        };
+        for _ in 0..300 {
+            let f = features(&mut rng);
+            p.observe(e, &f, law.ttft(&f));
+        }
+        for _ in 0..100 {
+            let f = features(&mut rng);
+            p.observe(e, &f, slower.ttft(&f));
+        }
+        let f = TtftFeatures::new(1.0, 10.0, 2000.0, 0.0, 0.3);
+        let y = p.predict(e, &f);
+        assert!(
+            (y - slower.ttft(&f)).abs() < 0.2 * slower.ttft(&f),
+            "{y} vs {} (before: {})",
+            slower.ttft(&f),
+            law.ttft(&f)
+        );
     }
 
     /// An idle queue, 0–3 running requests, and 40 tokens to prefill, or
