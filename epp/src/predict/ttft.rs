@@ -865,25 +865,35 @@ mod tests {
         );
     }
 
+    /// A model that learnt 300 samples of `before`, then `n` of `after`.
+    fn after_a_change(
+        seed: u64,
+        before: Law,
+        after: Law,
+        n: usize,
+    ) -> (TtftPredictor, EndpointTtft) {
+        let p = TtftPredictor::default();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let e = EndpointTtft::default();
+        for (law, samples) in [(before, 300), (after, n)] {
+            for _ in 0..samples {
+                let f = features(&mut rng);
+                p.observe(&e, &f, law.ttft(&f));
+            }
+        }
+        (p, e)
+    }
+
     #[test]
     fn tracks_a_slowdown() {
-        let p = TtftPredictor::default();
-        let mut rng = StdRng::seed_from_u64(4);
-        let e = &EndpointTtft::default();
         let fast = LAWS[0];
         let slow = Law {
             tok_per_s: 1500.0,
             ..fast
         };
-        for _ in 0..300 {
-            let f = features(&mut rng);
-            p.observe(e, &f, fast.ttft(&f));
-        }
         // λ = 0.99 remembers ~100 samples: after 300 the old law has faded.
-        for _ in 0..300 {
-            let f = features(&mut rng);
-            p.observe(e, &f, slow.ttft(&f));
-        }
+        let (p, e) = after_a_change(4, fast, slow, 300);
+        let e = &e;
         let resets = lock(&e.rls).as_ref().map_or(0, |r| r.resets);
         assert!(resets >= 1, "a slowdown is a shift: {resets} restarts");
         let f = TtftFeatures::new(0.0, 10.0, 8000.0, 0.0, 0.3);
@@ -1006,9 +1016,6 @@ mod tests {
 
     #[test]
     fn a_moderate_slowdown_is_followed() {
-        let p = TtftPredictor::default();
-        let mut rng = StdRng::seed_from_u64(9);
-        let e = &EndpointTtft::default();
         let law = LAWS[1];
         // Every term half as slow again: not far enough to be a shift, so
         // followed by the fit alone, with these samples weighed at 0.44.
@@ -1021,16 +1028,9 @@ mod tests {
             tok_per_s: law.tok_per_s / 1.5,
             kv: law.kv * 1.5,
         };
-        for _ in 0..300 {
-            let f = features(&mut rng);
-            p.observe(e, &f, law.ttft(&f));
-        }
-        for _ in 0..100 {
-            let f = features(&mut rng);
-            p.observe(e, &f, slower.ttft(&f));
-        }
+        let (p, e) = after_a_change(9, law, slower, 100);
         let f = TtftFeatures::new(1.0, 10.0, 2000.0, 0.0, 0.3);
-        let y = p.predict(e, &f);
+        let y = p.predict(&e, &f);
         assert!(
             (y - slower.ttft(&f)).abs() < 0.2 * slower.ttft(&f),
             "{y} vs {} (before: {})",
