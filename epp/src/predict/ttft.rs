@@ -369,14 +369,14 @@ impl Rls {
         self.theta.iter().zip(x).map(|(t, x)| t * x).sum()
     }
 
-    /// `(P·x, λ + xᵀ·P·x)`.
-    fn gain(&self, x: &[f64; DIM], lambda: f64) -> ([f64; DIM], f64) {
+    /// `(P·x, xᵀ·P·x)`.
+    fn gain(&self, x: &[f64; DIM]) -> ([f64; DIM], f64) {
         let mut px = [0.0; DIM];
         for (i, row) in self.p.iter().enumerate() {
             px[i] = row.iter().zip(x).map(|(p, x)| p * x).sum();
         }
-        let denom = lambda + x.iter().zip(&px).map(|(x, p)| x * p).sum::<f64>();
-        (px, denom)
+        let xpx = x.iter().zip(&px).map(|(x, p)| x * p).sum::<f64>();
+        (px, xpx)
     }
 
     /// One observation, as a relative error: the regressor and the target
@@ -425,13 +425,15 @@ impl Rls {
             free[TOKEN] = false;
             xf[TOKEN] = 0.0;
         }
-        // A weight w divides the noise's variance by w: λ/w in the gain.
+        // A weight w divides the noise's variance by w: λ/w in the step's
+        // denominator.
         let lambda = prm.lambda / weight;
-        let (mut px, mut denom) = self.gain(&xf, lambda);
+        let (mut px, xpx) = self.gain(&xf);
+        let mut denom = lambda + xpx;
         // The clip and the residual scale judge the error unweighted, as the
         // spread an unweighted sample would have: the weight says only how
         // far the step follows it.
-        let spread = (denom - lambda + prm.lambda).sqrt();
+        let spread = (prm.lambda + xpx).sqrt();
         if !(denom.is_finite() && denom > 0.0 && spread.is_finite() && spread > 0.0) {
             self.reset_cov(prm);
             return;
@@ -489,7 +491,9 @@ impl Rls {
                 theta = cand;
                 break;
             }
-            (px, denom) = self.gain(&xf, lambda);
+            let xpx;
+            (px, xpx) = self.gain(&xf);
+            denom = lambda + xpx;
         }
         self.theta = theta;
         // P ← (P − P x xᵀ P / denom) / λ over the free regressor, kept exactly
@@ -899,11 +903,10 @@ mod tests {
         };
         // λ = 0.99 remembers ~100 samples: after 300 the old law has faded.
         let (p, e) = after_a_change(4, fast, slow, 300);
-        let e = &e;
         let resets = lock(&e.rls).as_ref().map_or(0, |r| r.resets);
         assert!(resets >= 1, "a slowdown is a shift: {resets} restarts");
         let f = TtftFeatures::new(0.0, 10.0, 8000.0, 0.0, 0.3);
-        let y = p.predict(e, &f);
+        let y = p.predict(&e, &f);
         assert!(
             (y - slow.ttft(&f)).abs() < 0.1 * slow.ttft(&f),
             "{y} vs {}",
