@@ -37,7 +37,7 @@ use crate::metrics::{DecisionOutcome, Metrics};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
 use crate::predict::reuse::SeedGate;
 use crate::predict::{
-    DestinationState, InflightGuard, Outcome, RoutedPrefixes, TtftFeatures, TtftPredictor,
+    Decided, DestinationState, InflightGuard, Outcome, RoutedPrefixes, TtftFeatures, TtftPredictor,
     TtftSample, block_hashes,
 };
 
@@ -589,7 +589,11 @@ impl Router for Picker {
         ticket.state.stats.record_ttft(ttft, now);
         let sample = ticket.features.take().filter(|_| answered).map(|f| {
             let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
-            TtftSample::new(model, state, f, ttft.as_secs_f64())
+            let decided = Decided {
+                endpoint: ticket.address.clone(),
+                predicted: ticket.predicted_ttft,
+            };
+            TtftSample::new(model, state, f, ttft.as_secs_f64(), decided)
         });
         if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
             ticket.sample = sample;

@@ -21,10 +21,20 @@
 //! `stream_options.include_usage`, to an engine that reports only when
 //! asked) is learnt at its first byte: waiting for its end, often many
 //! seconds later, would only keep the model behind.
+//!
+//! Each sample learnt is also a debug line under its own target,
+//! [`SAMPLE_LOG_TARGET`]: the endpoint, the TTFT predicted at the decision,
+//! the TTFT observed and the inputs learnt with, numbers only. It is how one
+//! judges what the model's inputs can explain on a given machine (the
+//! side-by-side benchmark fits them in hindsight, BENCHMARKS.md).
 
 use std::sync::Arc;
 
 use super::{DestinationState, TtftFeatures, TtftPredictor};
+
+/// The target of the per-sample debug line:
+/// `RUST_LOG=info,kinference_epp::ttft_samples=debug` turns it on.
+pub const SAMPLE_LOG_TARGET: &str = "kinference_epp::ttft_samples";
 
 pub struct TtftSample {
     model: Arc<TtftPredictor>,
@@ -32,6 +42,16 @@ pub struct TtftSample {
     features: TtftFeatures,
     /// Observed TTFT, seconds.
     ttft: f64,
+    decided: Decided,
+}
+
+/// The decision a sample comes from, for its debug line.
+#[derive(Debug, Default)]
+pub struct Decided {
+    /// The endpoint's `ip:port`.
+    pub endpoint: Option<String>,
+    /// The TTFT predicted for it, seconds.
+    pub predicted: Option<f64>,
 }
 
 impl TtftSample {
@@ -40,12 +60,14 @@ impl TtftSample {
         state: Arc<DestinationState>,
         features: TtftFeatures,
         ttft: f64,
+        decided: Decided,
     ) -> Self {
         Self {
             model,
             state,
             features,
             ttft,
+            decided,
         }
     }
 
@@ -102,6 +124,18 @@ impl Drop for TtftSample {
     fn drop(&mut self) {
         self.model
             .observe(&self.state.ttft, &self.features, self.ttft);
+        let (f, decided) = (&self.features, &self.decided);
+        tracing::debug!(
+            target: SAMPLE_LOG_TARGET,
+            endpoint = decided.endpoint.as_deref(),
+            predicted_ms = decided.predicted.map(|s| s * 1e3),
+            observed_ms = self.ttft * 1e3,
+            waiting = f.waiting,
+            running = f.running,
+            uncached_tokens = f.uncached_tokens,
+            kv_utilization = f.kv_utilization,
+            "TTFT sample learnt"
+        );
     }
 }
 
@@ -113,7 +147,13 @@ mod tests {
     fn sample(model: &Arc<TtftPredictor>, state: &Arc<DestinationState>) -> TtftSample {
         // Guessed fully cached: 2,000 tokens, all of them in the index.
         let features = TtftFeatures::new(0.0, 0.0, 2000.0, 2000.0, 0.0);
-        TtftSample::new(Arc::clone(model), Arc::clone(state), features, 0.8)
+        TtftSample::new(
+            Arc::clone(model),
+            Arc::clone(state),
+            features,
+            0.8,
+            Decided::default(),
+        )
     }
 
     #[test]
