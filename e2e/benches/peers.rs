@@ -82,6 +82,7 @@ use kinference_testbed::load::{
 };
 use kinference_testbed::proc_status::{peak_rss_bytes, rss_bytes};
 use kinference_testbed::prom_reference::parse_line;
+use kinference_testbed::ttft_fit;
 use kinference_testbed::workload::{self, SharedPrefix};
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -693,7 +694,7 @@ struct EppProcess {
 }
 
 /// The EPP's command line: the same ports and plaintext for all, logs at each
-/// one's default level.
+/// one's default level (ours with one debug line per TTFT sample).
 fn epp_command(
     peer: Peer,
     binary: &Path,
@@ -711,7 +712,10 @@ fn epp_command(
                 .args(["--grpc-port", &grpc, "--grpc-health-port", &health])
                 .args(["--metrics-port", &metrics, "--secure-serving=false"])
                 .args(["--log-format", "text"])
-                .env("RUST_LOG", "info");
+                // Each TTFT sample its model learns, for the hindsight fit
+                // of its inputs (`ttft_fit`): a debug line per request.
+                .env("RUST_LOG", "info,kinference_epp::ttft_samples=debug")
+                .env("NO_COLOR", "1");
             if let Some(c) = config {
                 cmd.arg("--policy-file").arg(c);
             }
@@ -785,6 +789,18 @@ impl EppProcess {
             peer,
             dir,
         })
+    }
+
+    /// Bytes of its log so far: where a phase's lines start.
+    fn log_len(&self) -> u64 {
+        std::fs::metadata(self.dir.join("epp.log")).map_or(0, |m| m.len())
+    }
+
+    /// The TTFT samples it logged from byte `from` of its log on.
+    fn ttft_samples_since(&self, from: u64) -> Vec<ttft_fit::Sample> {
+        let bytes = std::fs::read(self.dir.join("epp.log")).unwrap_or_default();
+        let start = usize::try_from(from).map_or(bytes.len(), |f| f.min(bytes.len()));
+        ttft_fit::parse_log(&String::from_utf8_lossy(&bytes[start..]))
     }
 
     fn log_tail(&self) -> String {
@@ -1376,6 +1392,9 @@ struct Row {
     /// Our EPP in the open-loop phases: the share of its TTFT predictions
     /// within 25% of the observed TTFT, over the phase.
     predictions_within_25: Option<f64>,
+    /// The same share for a fit of the model's inputs in hindsight
+    /// (`ttft_fit`), from the samples its EPP logged over the phase.
+    inputs_fit_within_25: Option<f64>,
     /// Our EPP in precise mode: the share of answers whose reported cached
     /// tokens agreed with its index.
     events_agree: Option<f64>,
@@ -1786,6 +1805,7 @@ impl Bench {
                     phase,
                     m,
                     predictions_within_25: None,
+                    inputs_fit_within_25: None,
                     events_agree: None,
                 });
             }
@@ -1824,6 +1844,7 @@ impl Bench {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.open_rates[i] {
                 let before = predictions(&self.http, path.epp.as_ref()).await;
+                let log_from = path.epp.as_ref().map(EppProcess::log_len);
                 let m = open_loop(
                     &self.http,
                     &path.target,
@@ -1834,6 +1855,20 @@ impl Bench {
                 )
                 .await;
                 let after = predictions(&self.http, path.epp.as_ref()).await;
+                let samples = path
+                    .epp
+                    .as_ref()
+                    .filter(|e| e.peer == Peer::Kinference)
+                    .zip(log_from)
+                    .map(|(epp, from)| epp.ttft_samples_since(from));
+                if let Some(samples) = samples.as_ref().filter(|s| s.len() < ttft_fit::MIN_SAMPLES) {
+                    eprintln!(
+                        "[peers] {}: only {} TTFT sample lines in our EPP's log this phase: no hindsight fit",
+                        contender.name,
+                        samples.len()
+                    );
+                }
+                let fitted = samples.and_then(|s| ttft_fit::score(&s, 0.25));
                 let counted = before.zip(after);
                 let (predictions_within_25, events_agree) =
                     counted.map_or((None, None), |(b, a)| Predictions::shares(b, a));
@@ -1845,9 +1880,18 @@ impl Bench {
                 let checks = counted
                     .and_then(|(b, a)| Predictions::checks(b, a))
                     .unwrap_or_default();
+                let fit = fitted.map_or(String::new(), |f| {
+                    format!(
+                        ", {} TTFT samples, within 25%: logged predictions {}, a fit of their inputs in hindsight {:.0}%",
+                        f.samples,
+                        f.predicted_within
+                            .map_or("-".to_string(), |p| format!("{:.0}%", p * 100.0)),
+                        f.fitted_within * 100.0
+                    )
+                });
                 let phase = format!("{} {rate:.0}/s", workload.label);
                 eprintln!(
-                    "[peers] {} {phase}: {}{over}{checks}",
+                    "[peers] {} {phase}: {}{over}{checks}{fit}",
                     contender.name,
                     brief(&m)
                 );
@@ -1859,6 +1903,7 @@ impl Bench {
                     phase,
                     m,
                     predictions_within_25,
+                    inputs_fit_within_25: fitted.map(|f| f.fitted_within),
                     events_agree,
                 });
             }
@@ -2021,11 +2066,11 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
         warm = COLD_START.as_secs()
     );
     println!(
-        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | p90 ms, sent after {warm} s | p90 ÷ gie-default, sent after {warm} s | served by sim (rep 1) |",
+        "| rate | contender | reps | requests | done/s | TTFT p50 ms | p90 ms | p99 ms | p90 range ms | p90 ÷ gie-default | p90 ÷ envoy-rr | cache hit | Pods/group | TTFT predictions within 25% | a fit of its inputs in hindsight within 25% | best single value within 25% | cached tokens as the index predicted | EPP CPU µs/req | errors | p90 ms, sent after {warm} s | p90 ÷ gie-default, sent after {warm} s | served by sim (rep 1) |",
         warm = COLD_START.as_secs()
     );
     println!(
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
     );
     for phase in &phases {
         // Each row with its rep, so that ratios pair rows of one rep even
@@ -2066,7 +2111,7 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
             let fmt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".to_string(), f);
             let first = reps[0];
             println!(
-                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 phase.trim_start_matches(w.label).trim(),
                 reps.len(),
                 fmt(of(&|r| Some(r.m.measured() as f64)), &|v| format!("{v:.0}")),
@@ -2083,6 +2128,10 @@ fn print_open_table(reports: &[Report], w: &OpenWorkload) {
                 )),
                 fmt(of(&|r| r.m.out.pods_per_group()), &|v| format!("{v:.2}")),
                 fmt(of(&|r| r.predictions_within_25), &|v| format!(
+                    "{:.0}%",
+                    v * 100.0
+                )),
+                fmt(of(&|r| r.inputs_fit_within_25), &|v| format!(
                     "{:.0}%",
                     v * 100.0
                 )),

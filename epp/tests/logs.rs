@@ -89,6 +89,16 @@ async fn wait_for_lines_with(parts: &[&str]) -> Vec<String> {
     Vec::new()
 }
 
+/// The number logged as `name=` in `line`.
+fn number(line: &str, name: &str) -> f64 {
+    let at = line.find(&format!(" {name}=")).expect(name) + name.len() + 2;
+    let value: String = line[at..]
+        .chars()
+        .take_while(|c| !c.is_whitespace())
+        .collect();
+    value.parse().expect(name)
+}
+
 /// A chat request for `m` whose prompt is `marker`.
 fn chat(marker: &str, request_id: &str) -> HttpRequest {
     let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{marker}"}}]}}"#);
@@ -161,15 +171,31 @@ async fn each_ttft_sample_learnt_is_one_debug_line_of_numbers() {
     ] {
         assert!(line.contains(expected), "{expected} missing: {line}");
     }
-    let number = |field: &str| -> f64 {
-        let at = line.find(&format!("{field}=")).expect(field) + field.len() + 1;
-        let value: String = line[at..]
-            .chars()
-            .take_while(|c| !c.is_whitespace())
-            .collect();
-        value.parse().expect(field)
-    };
-    assert!(number("predicted_ms") > 0.0, "{line}");
-    assert!(number("uncached_tokens") > 0.0, "{line}");
+    assert!(number(line, "predicted_ms") > 0.0, "{line}");
+    assert!(number(line, "uncached_tokens") > 0.0, "{line}");
+    // No engine count came: the decision's guess was learnt.
+    assert_eq!(
+        number(line, "guessed_uncached_tokens"),
+        number(line, "uncached_tokens"),
+        "{line}"
+    );
     assert!(!text.contains("prompt-marker-78"), "{text}");
+
+    // An answer whose engine says it had all but 4 of its 100 tokens
+    // cached: the model learns that count, and the line keeps the guess.
+    let (_, mut stream) = client
+        .decide(&chat("prompt-marker-79", "req-44"))
+        .await
+        .unwrap();
+    stream
+        .response_headers(200, Some("10.0.0.9:8000"), Some(20.0))
+        .await
+        .unwrap();
+    let usage = r#"{"usage":{"prompt_tokens":100,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":96}}}"#;
+    stream.finish_with(usage).await.unwrap();
+    let lines = wait_for_lines_with(&["TTFT sample learnt", "req-44"]).await;
+    assert_eq!(lines.len(), 1, "{}", logs().text());
+    let line = &lines[0];
+    assert!(number(line, "guessed_uncached_tokens") > 1.0, "{line}");
+    assert!(number(line, "uncached_tokens") < 1.0, "{line}");
 }

@@ -16,6 +16,8 @@
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
 //!   checked against (parity tests, fuzzing).
+//! - [`ttft_fit`]: the EPP's per-sample TTFT lines, and a fit of the TTFT
+//!   model's inputs in hindsight: how much of a run's spread they explain.
 //! - [`free_port`]: a loopback port nobody listens on, for a test to bind.
 //!
 //! Nothing here is part of the shipped EPP or operator.
@@ -33,6 +35,7 @@ pub mod logs;
 pub mod peers;
 pub mod proc_status;
 pub mod prom_reference;
+pub mod ttft_fit;
 pub mod workload;
 
 /// A port on 127.0.0.1 free a moment ago (the OS picks it), for a test or

@@ -24,9 +24,10 @@
 //!
 //! Each sample learnt is also a debug line under its own target,
 //! [`SAMPLE_LOG_TARGET`]: the endpoint, the TTFT predicted at the decision,
-//! the TTFT observed and the inputs learnt with, numbers only. It is how one
-//! judges what the model's inputs can explain on a given machine (the
-//! side-by-side benchmark fits them in hindsight, BENCHMARKS.md).
+//! the TTFT observed, the inputs learnt with and the uncached count the
+//! decision guessed, numbers only. It is how one judges what the model's
+//! inputs can explain on a given machine: the side-by-side benchmark fits
+//! them in hindsight (`crates/testbed/src/ttft_fit.rs`).
 
 use std::sync::Arc;
 
@@ -43,6 +44,9 @@ pub struct TtftSample {
     /// Observed TTFT, seconds.
     ttft: f64,
     decided: Decided,
+    /// The uncached tokens the decision guessed, before the engine's count
+    /// replaced them.
+    guessed_uncached: f64,
 }
 
 /// The decision a sample comes from, for its debug line.
@@ -65,6 +69,7 @@ impl TtftSample {
         Self {
             model,
             state,
+            guessed_uncached: features.uncached_tokens,
             features,
             ttft,
             decided,
@@ -133,6 +138,7 @@ impl Drop for TtftSample {
             waiting = f.waiting,
             running = f.running,
             uncached_tokens = f.uncached_tokens,
+            guessed_uncached_tokens = self.guessed_uncached,
             kv_utilization = f.kv_utilization,
             "TTFT sample learnt"
         );
