@@ -38,26 +38,61 @@ pub mod prom_reference;
 pub mod ttft_fit;
 pub mod workload;
 
-/// A port on 127.0.0.1 free a moment ago (the OS picks it), for a test or
+/// A port nothing used a moment ago, on any address, for a test or
 /// benchmark to bind or hand to a process, and never handed out before by
-/// this process: the OS may offer a port again once its probe is closed,
-/// and two ports of one process came out equal (the reference EPP's health
-/// and metrics servers, in CI: `bind: address already in use`).
+/// this process.
+///
+/// Picked from [`QUIET_PORTS`], below the kernel's ephemeral range, rather
+/// than offered by the OS (`bind(:0)`): a port from that range is one the
+/// OS also gives outgoing connections, and one of those took a probed port
+/// before the reference EPP could listen on it (CI: `listen tcp :35661:
+/// bind: address already in use`). The OS also offers a port again once its
+/// probe is closed, and two ports of one process came out equal (its health
+/// and metrics servers): hence the ports handed out are remembered.
 pub fn free_port() -> std::io::Result<u16> {
     static HANDED_OUT: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
-    for _ in 0..100 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
-        if handed_out.insert(port) {
+    let quiet = quiet_ports();
+    let span = u32::from(quiet.end - quiet.start);
+    // Each process starts somewhere else, so that tests run side by side
+    // rarely probe the same ports.
+    let start = std::process::id().wrapping_mul(7919) % span;
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for i in 0..span {
+        let port = quiet.start + ((start + i) % span) as u16;
+        if !handed_out.contains(&port) && free_on_every_address(port) {
+            handed_out.insert(port);
             return Ok(port);
         }
     }
     Err(std::io::Error::new(
         std::io::ErrorKind::AddrInUse,
-        "the OS offered only ports already handed out",
+        format!("no free port left in {quiet:?}"),
     ))
+}
+
+/// Whether `port` can be listened on at every address (`0.0.0.0`), as a
+/// process that listens on `:port` needs: not if anything uses it on any
+/// one address.
+fn free_on_every_address(port: u16) -> bool {
+    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+}
+
+/// Where [`free_port`] looks: from 20,000 (above the Kubernetes components'
+/// fixed ports, 10,250 and up) to the start of the ephemeral range.
+pub const QUIET_PORTS: std::ops::Range<u16> = 20_000..32_768;
+
+/// [`QUIET_PORTS`], ending lower if this machine's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`) starts lower.
+fn quiet_ports() -> std::ops::Range<u16> {
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok());
+    match ephemeral_start {
+        Some(start) if start > QUIET_PORTS.start + 1000 => {
+            QUIET_PORTS.start..start.min(QUIET_PORTS.end)
+        }
+        _ => QUIET_PORTS,
+    }
 }
 
 #[cfg(test)]
@@ -69,5 +104,24 @@ mod tests {
         let ports: Vec<u16> = (0..500).map(|_| free_port().unwrap()).collect();
         let distinct: BTreeSet<u16> = ports.iter().copied().collect();
         assert_eq!(distinct.len(), ports.len());
+    }
+
+    #[test]
+    fn free_port_stays_out_of_the_ports_outgoing_connections_get() {
+        let quiet = quiet_ports();
+        assert!(quiet.start >= 20_000 && quiet.end <= 32_768, "{quiet:?}");
+        for _ in 0..50 {
+            assert!(quiet.contains(&free_port().unwrap()));
+        }
+    }
+
+    #[test]
+    fn a_port_used_on_one_address_is_not_free_on_every_address() {
+        // Taken on one loopback address only: still not free for a
+        // process that listens on every address.
+        let taken = free_port().unwrap();
+        assert!(free_on_every_address(taken));
+        let _listener = std::net::TcpListener::bind(("127.0.0.1", taken)).unwrap();
+        assert!(!free_on_every_address(taken));
     }
 }
