@@ -285,9 +285,10 @@ async fn goes_where_the_events_say(policy: fn(u16) -> String) {
         assert_eq!(
             sim,
             warm,
-            "round {round}: the prefix is cached on sim-{warm} (tokenizations ok {}, over budget {})",
+            "round {round}: the prefix is cached on sim-{warm} (tokenizations ok {}, over budget {}); the decision: {}",
             tokenized("ok"),
-            tokenized("over_budget")
+            tokenized("over_budget"),
+            pool.epp.picker.recent.explain(1)[0]["trace"]
         );
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
@@ -298,8 +299,18 @@ async fn goes_where_the_events_say(policy: fn(u16) -> String) {
     // prediction error is exported per source.
     let epp = &pool.epp;
     let checks = "kinference_epp_kv_events_checks_total";
-    assert_eq!(sample(epp, checks, "result", "agree"), 6.0);
-    assert_eq!(sample(epp, checks, "result", "token_count"), 0.0);
+    let findings: Vec<(&str, f64)> = [
+        "agree",
+        "token_count",
+        "block_size",
+        "cached_tokens",
+        "unindexed",
+    ]
+    .into_iter()
+    .map(|result| (result, sample(epp, checks, "result", result)))
+    .collect();
+    assert_eq!(findings[0], ("agree", 6.0), "{findings:?}");
+    assert_eq!(findings[1], ("token_count", 0.0), "{findings:?}");
     let errors = "kinference_epp_cached_prefix_prediction_error_count";
     assert_eq!(sample(epp, errors, "source", "events"), 6.0);
     let error_sum = "kinference_epp_cached_prefix_prediction_error_sum";
