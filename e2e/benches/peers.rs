@@ -796,11 +796,19 @@ impl EppProcess {
         std::fs::metadata(self.dir.join("epp.log")).map_or(0, |m| m.len())
     }
 
-    /// The TTFT samples it logged from byte `from` of its log on.
+    /// The TTFT samples it logged from byte `from` of its log on (only
+    /// that part is read: the log grows by a line per request).
     fn ttft_samples_since(&self, from: u64) -> Vec<ttft_fit::Sample> {
-        let bytes = std::fs::read(self.dir.join("epp.log")).unwrap_or_default();
-        let start = usize::try_from(from).map_or(bytes.len(), |f| f.min(bytes.len()));
-        ttft_fit::parse_log(&String::from_utf8_lossy(&bytes[start..]))
+        use std::io::{Read, Seek, SeekFrom};
+        let mut bytes = Vec::new();
+        let read = std::fs::File::open(self.dir.join("epp.log")).and_then(|mut log| {
+            log.seek(SeekFrom::Start(from))?;
+            log.read_to_end(&mut bytes)
+        });
+        if read.is_err() {
+            return Vec::new();
+        }
+        ttft_fit::parse_log(&String::from_utf8_lossy(&bytes))
     }
 
     fn log_tail(&self) -> String {
@@ -2188,9 +2196,13 @@ const P90_TARGET: f64 = 0.8;
 /// Rep by rep, `ours[i] / theirs[i]`: the median and the worst (highest),
 /// as `0.52× (0.61×)`.
 fn rep_ratios(ours: &[(usize, f64)], theirs: &[(usize, f64)]) -> String {
-    let ratios = per_rep_ratios(ours, theirs);
+    median_and_worst(&per_rep_ratios(ours, theirs))
+}
+
+/// `ratios` as `0.52× (0.61×)`: their median and the highest.
+fn median_and_worst(ratios: &[f64]) -> String {
     let worst = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    match median(ratios.clone()) {
+    match median(ratios.to_vec()) {
         None => "-".into(),
         Some(m) if ratios.len() == 1 => format!("{m:.2}×"),
         Some(m) => format!("{m:.2}× ({worst:.2}×)"),
@@ -2203,8 +2215,11 @@ fn rep_ratios_against(ours: &[(usize, f64)], theirs: &[(usize, f64)], target: f6
     let ratios = per_rep_ratios(ours, theirs);
     let over = ratios.iter().filter(|&&r| r > target).count();
     match ratios.len() {
-        0 | 1 => rep_ratios(ours, theirs),
-        n => format!("{}, {over} of {n} over {target}×", rep_ratios(ours, theirs)),
+        0 | 1 => median_and_worst(&ratios),
+        n => format!(
+            "{}, {over} of {n} over {target}×",
+            median_and_worst(&ratios)
+        ),
     }
 }
 

@@ -589,8 +589,10 @@ impl Router for Picker {
         ticket.state.stats.record_ttft(ttft, now);
         let sample = ticket.features.take().filter(|_| answered).map(|f| {
             let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
+            // Taken, not cloned: `complete` is called once, and the
+            // fallback check above was its last other reader.
             let decided = Decided {
-                endpoint: ticket.address.clone(),
+                endpoint: ticket.address.take(),
                 predicted: ticket.predicted_ttft,
             };
             TtftSample::new(model, state, f, ttft.as_secs_f64(), decided)

@@ -40,7 +40,7 @@ pub use prefix::{
     block_hashes, block_hashes_bytes, blocks_for_kv_cache,
 };
 pub use routed::RoutedPrefixes;
-pub use sample::{Decided, SAMPLE_LOG_TARGET, TtftSample};
+pub use sample::{Decided, TtftSample};
 pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
 pub use token_ratio::TokenRatio;
 pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};
