@@ -65,6 +65,24 @@ pub struct SimConfig {
     /// Multiplier applied to every simulated delay (`0.01` makes the server 100x
     /// faster than its nominal figures; `0` removes all delays).
     pub time_scale: f64,
+    /// When a streamed answer's status and headers go out.
+    pub stream_headers: StreamHeaders,
+}
+
+/// When a streamed (`"stream": true`) answer's status line and headers are
+/// sent. A whole answer's always go with its body, after the last token.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamHeaders {
+    /// At admission, before queueing and prefill, as vLLM's and SGLang's
+    /// OpenAI servers do (a FastAPI `StreamingResponse` sends them when the
+    /// handler returns its generator); the first event follows with the
+    /// first token. A Responses stream's `response.created` event goes out
+    /// with the headers, as vLLM's does.
+    #[default]
+    Admission,
+    /// With the first token, along with `x-sim-*` timing headers: kinder
+    /// than the engines, for tests of the simulator's own timing.
+    FirstToken,
 }
 
 impl Default for SimConfig {
@@ -87,6 +105,7 @@ impl Default for SimConfig {
             max_body_bytes: 64 << 20,
             api_key: None,
             time_scale: 1.0,
+            stream_headers: StreamHeaders::Admission,
         }
     }
 }

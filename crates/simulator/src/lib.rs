@@ -42,7 +42,7 @@ mod openai;
 mod routes;
 mod server;
 
-pub use config::SimConfig;
+pub use config::{SimConfig, StreamHeaders};
 pub use engine::SimStats;
 pub use metrics::MetricsMode;
 pub use server::{SimHandle, spawn};

@@ -17,7 +17,7 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::config::SimConfig;
+use crate::config::{SimConfig, StreamHeaders};
 use crate::engine::{Active, Api, Engine, Job, Killed, Prompt, Timing};
 use crate::metrics::{self, MetricsMode};
 use crate::openai::{
@@ -151,25 +151,66 @@ impl Shared {
         }
     }
 
-    /// Builds the job, checks the context window and waits through queue and prefill.
-    async fn admit(
+    /// Checks the context window and builds the job: what a server does
+    /// before it answers anything.
+    fn job(
         &self,
         api: Api,
         model: &str,
         prompt: &Prompt,
         max_tokens: u32,
-    ) -> Result<Active, ApiError> {
+    ) -> Result<Job, ApiError> {
         if let Some(limit) = self.cfg.max_model_len {
             let requested = prompt.tokens + u64::from(max_tokens);
             if requested > limit {
                 return Err(ApiError::context_length(limit, requested));
             }
         }
-        let job = Job::new(&self.cfg, api, model.to_owned(), prompt, max_tokens);
+        Ok(Job::new(
+            &self.cfg,
+            api,
+            model.to_owned(),
+            prompt,
+            max_tokens,
+        ))
+    }
+
+    /// Waits through queue and prefill.
+    async fn run(&self, job: Job) -> Result<Active, ApiError> {
         self.engine
             .admit(job)
             .await
             .map_err(|Killed| ApiError::unavailable())
+    }
+
+    /// A streamed answer of `n` tokens for `job`, its headers sent as
+    /// [`SimConfig::stream_headers`] says.
+    async fn stream<E: Encoder>(
+        &self,
+        job: Job,
+        encoder: E,
+        seed: u64,
+        n: u32,
+        include_usage: bool,
+    ) -> Response {
+        let engine = Arc::clone(&self.engine);
+        match self.cfg.stream_headers {
+            StreamHeaders::Admission => {
+                let admission = async move { engine.admit(job).await };
+                stream_response(admission, encoder, seed, n, include_usage)
+            }
+            StreamHeaders::FirstToken => {
+                let active = match engine.admit(job).await {
+                    Ok(active) => active,
+                    Err(Killed) => return self.reject(ApiError::unavailable()),
+                };
+                let timing = active.timing;
+                let admission = std::future::ready(Ok(active));
+                let mut resp = stream_response(admission, encoder, seed, n, include_usage);
+                add_timing_headers(resp.headers_mut(), &timing);
+                resp
+            }
+        }
     }
 
     fn reject(&self, err: ApiError) -> Response {
@@ -284,24 +325,31 @@ enum Event {
 /// Renders [`Event`]s as SSE frames for one API.
 trait Encoder: Send + 'static {
     fn encode(&mut self, event: Event) -> Option<Bytes>;
+
+    /// Whether [`Event::Start`] goes out before queueing and prefill, as
+    /// vLLM's `response.created`, rather than with the first token, as its
+    /// chat role chunk.
+    fn starts_at_admission(&self) -> bool {
+        false
+    }
 }
 
-/// Decodes `n` tokens at the configured pace and sends `n` SSE frames (plus
-/// start, finish and optional usage frames, then `[DONE]`) through the body.
-/// The running slot is held until the stream ends or the client goes away.
+/// Waits for `admission` (queue and prefill), then decodes `n` tokens at
+/// the configured pace and sends `n` SSE frames (plus start, finish and
+/// optional usage frames, then `[DONE]`) through the body. The running slot
+/// is held until the stream ends or the client goes away.
 fn stream_response<E: Encoder>(
-    active: Active,
+    admission: impl Future<Output = Result<Active, Killed>> + Send + 'static,
     encoder: E,
     seed: u64,
     n: u32,
     include_usage: bool,
 ) -> Response {
-    let timing = active.timing;
     let (tx, rx) = mpsc::channel(8);
     tokio::spawn(async move {
         // An error means the client went away or the server was killed:
         // stopping here drops `active`, which frees the slot.
-        let _ = produce_stream(active, encoder, seed, n, include_usage, &tx).await;
+        let _ = produce_stream(admission, encoder, seed, n, include_usage, &tx).await;
     });
     let body = Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|frame| (frame, rx))
@@ -313,7 +361,6 @@ fn stream_response<E: Encoder>(
         HeaderValue::from_static("text/event-stream"),
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    add_timing_headers(headers, &timing);
     resp
 }
 
@@ -323,7 +370,7 @@ type Frame = Result<Bytes, std::io::Error>;
 struct Closed;
 
 async fn produce_stream<E: Encoder>(
-    active: Active,
+    admission: impl Future<Output = Result<Active, Killed>>,
     mut encoder: E,
     seed: u64,
     n: u32,
@@ -334,14 +381,26 @@ async fn produce_stream<E: Encoder>(
         Some(frame) => tx.send(Ok(frame)).await.map_err(|_| Closed),
         None => Ok(()),
     };
-    emit(encoder.encode(Event::Start)).await?;
+    // Abort the body so the client sees a broken stream, not an end.
+    let abort = async || {
+        let _ = tx.send(Err(std::io::Error::other("server killed"))).await;
+        Closed
+    };
+    let early_start = encoder.starts_at_admission();
+    if early_start {
+        emit(encoder.encode(Event::Start)).await?;
+    }
+    let Ok(active) = admission.await else {
+        return Err(abort().await);
+    };
+    if !early_start {
+        emit(encoder.encode(Event::Start)).await?;
+    }
     let start = Instant::now();
     let interval = active.token_interval();
     for i in 0..n {
         if active.sleep_until(start + interval * i).await.is_err() {
-            // Abort the body so the client sees a broken stream, not an end.
-            let _ = tx.send(Err(std::io::Error::other("server killed"))).await;
-            return Err(Closed);
+            return Err(abort().await);
         }
         emit(encoder.encode(Event::Token(filler_token(seed, i)))).await?;
     }
@@ -450,7 +509,7 @@ async fn chat(State(s): AppState, headers: HeaderMap, body: RawBody) -> Response
         .unwrap_or(s.cfg.default_max_tokens);
     let prompt = req.prompt();
     let seed = seed_of(&prompt);
-    let active = tri!(s, s.admit(Api::Chat, &req.model, &prompt, n).await);
+    let job = tri!(s, s.job(Api::Chat, &req.model, &prompt, n));
     drop(prompt);
     let id = s.next_id("chatcmpl");
     if req.stream.unwrap_or(false) {
@@ -463,8 +522,9 @@ async fn chat(State(s): AppState, headers: HeaderMap, body: RawBody) -> Response
             created: unix_now(),
             model: req.model,
         };
-        return stream_response(active, encoder, seed, n, include_usage);
+        return s.stream(job, encoder, seed, n, include_usage).await;
     }
+    let active = tri!(s, s.run(job).await);
     let (timing, usage) = tri!(s, decode_all(active, n).await);
     let body = ChatCompletion {
         id,
@@ -528,7 +588,7 @@ async fn completions(State(s): AppState, headers: HeaderMap, body: RawBody) -> R
     let n = req.max_tokens.unwrap_or(s.cfg.default_max_tokens);
     let prompt = req.prompt.prompt();
     let seed = seed_of(&prompt);
-    let active = tri!(s, s.admit(Api::Completions, &req.model, &prompt, n).await);
+    let job = tri!(s, s.job(Api::Completions, &req.model, &prompt, n));
     drop(prompt);
     let id = s.next_id("cmpl");
     if req.stream.unwrap_or(false) {
@@ -541,8 +601,9 @@ async fn completions(State(s): AppState, headers: HeaderMap, body: RawBody) -> R
             created: unix_now(),
             model: req.model,
         };
-        return stream_response(active, encoder, seed, n, include_usage);
+        return s.stream(job, encoder, seed, n, include_usage).await;
     }
+    let active = tri!(s, s.run(job).await);
     let (timing, usage) = tri!(s, decode_all(active, n).await);
     let body = TextCompletion {
         id: &id,
@@ -565,8 +626,9 @@ async fn completions(State(s): AppState, headers: HeaderMap, body: RawBody) -> R
 async fn embeddings(State(s): AppState, headers: HeaderMap, body: RawBody) -> Response {
     let req: EmbeddingRequest = tri!(s, s.accept(&headers, body));
     let prompt = req.input.prompt();
-    let active = tri!(s, s.admit(Api::Embeddings, &req.model, &prompt, 0).await);
+    let job = tri!(s, s.job(Api::Embeddings, &req.model, &prompt, 0));
     drop(prompt);
+    let active = tri!(s, s.run(job).await);
     let (timing, usage) = tri!(s, decode_all(active, 0).await);
     let dims = req.dimensions.unwrap_or(s.cfg.embedding_dims);
     let base64 = req.encoding_format.as_deref() == Some("base64");
@@ -608,6 +670,10 @@ struct ResponsesEncoder {
 }
 
 impl Encoder for ResponsesEncoder {
+    fn starts_at_admission(&self) -> bool {
+        true
+    }
+
     fn encode(&mut self, event: Event) -> Option<Bytes> {
         match event {
             Event::Start => Some(sse_event(
@@ -663,7 +729,7 @@ async fn responses(State(s): AppState, headers: HeaderMap, body: RawBody) -> Res
     let n = req.max_output_tokens.unwrap_or(s.cfg.default_max_tokens);
     let prompt = req.prompt();
     let seed = seed_of(&prompt);
-    let active = tri!(s, s.admit(Api::Responses, &req.model, &prompt, n).await);
+    let job = tri!(s, s.job(Api::Responses, &req.model, &prompt, n));
     drop(prompt);
     let mut response = ResponseObject {
         id: s.next_id("resp"),
@@ -680,8 +746,9 @@ async fn responses(State(s): AppState, headers: HeaderMap, body: RawBody) -> Res
             text: String::new(),
         };
         // The usage event carries `response.completed`, so it is always on.
-        return stream_response(active, encoder, seed, n, true);
+        return s.stream(job, encoder, seed, n, true).await;
     }
+    let active = tri!(s, s.run(job).await);
     let (timing, usage) = tri!(s, decode_all(active, n).await);
     response.status = "completed";
     response.usage = Some(usage.into());

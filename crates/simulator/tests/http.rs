@@ -1,8 +1,8 @@
 //! End-to-end tests of the simulator over real HTTP.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kinference_simulator::{MetricsMode, SimConfig, SimHandle, spawn};
+use kinference_simulator::{MetricsMode, SimConfig, SimHandle, StreamHeaders, spawn};
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{Value, json};
 
@@ -174,6 +174,81 @@ async fn chat_shape_and_default_max_tokens() {
     assert_eq!(sim.stats().requests_by_model.get("m2"), Some(&2));
 }
 
+/// Like vLLM's server by default: a streamed answer's status and headers
+/// come at admission and its first event (the chat role chunk) with its
+/// first token, a second of prefill later. `FirstToken` sends both together,
+/// with the `x-sim-*` timing headers.
+#[tokio::test]
+async fn a_streamed_answers_headers_come_at_admission_unless_told_otherwise() {
+    for mode in [StreamHeaders::Admission, StreamHeaders::FirstToken] {
+        let sim = start(SimConfig {
+            time_scale: 1.0,
+            base_latency_ms: 1_000.0,
+            decode_tokens_per_sec: 1_000.0,
+            stream_headers: mode,
+            ..fast("s")
+        })
+        .await;
+        let started = Instant::now();
+        let mut resp = post(
+            &sim,
+            "/v1/chat/completions",
+            json!({"model": "m1", "stream": true, "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        let headers_at = started.elapsed();
+        assert_eq!(resp.status(), StatusCode::OK, "{mode:?}");
+        let first = resp.chunk().await.unwrap().expect("a first event");
+        let first_at = started.elapsed();
+        let first = String::from_utf8_lossy(&first);
+        assert!(first.contains(r#""role":"assistant""#), "{mode:?}: {first}");
+        match mode {
+            StreamHeaders::Admission => {
+                assert!(resp.headers().get("x-sim-ttft-ms").is_none());
+                assert!(
+                    first_at - headers_at >= Duration::from_millis(900),
+                    "the prefill lies between headers ({headers_at:?}) and first event ({first_at:?})"
+                );
+            }
+            StreamHeaders::FirstToken => {
+                assert!(header_f64(&resp, "x-sim-ttft-ms") >= 1_000.0);
+                assert!(headers_at >= Duration::from_secs(1), "{headers_at:?}");
+            }
+        }
+        resp.text().await.unwrap();
+        sim.shutdown().await;
+    }
+}
+
+/// A Responses stream's `response.created` goes out at admission, as
+/// vLLM's does; its first token comes after the prefill.
+#[tokio::test]
+async fn a_responses_stream_is_created_at_admission() {
+    let sim = start(SimConfig {
+        time_scale: 1.0,
+        base_latency_ms: 1_000.0,
+        decode_tokens_per_sec: 1_000.0,
+        ..fast("s")
+    })
+    .await;
+    let started = Instant::now();
+    let mut resp = post(
+        &sim,
+        "/v1/responses",
+        json!({"model": "m1", "stream": true, "max_output_tokens": 2, "input": "hi"}),
+    )
+    .await;
+    let created = resp.chunk().await.unwrap().expect("an event");
+    let created_at = started.elapsed();
+    assert!(String::from_utf8_lossy(&created).starts_with("event: response.created\n"));
+    let delta = resp.chunk().await.unwrap().expect("an event");
+    assert!(String::from_utf8_lossy(&delta).starts_with("event: response.output_text.delta\n"));
+    assert!(started.elapsed() - created_at >= Duration::from_millis(900));
+    resp.text().await.unwrap();
+    sim.shutdown().await;
+}
+
 #[tokio::test]
 async fn chat_stream_ends_with_done() {
     let sim = start(fast("s")).await;
@@ -187,7 +262,8 @@ async fn chat_stream_ends_with_done() {
     .await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert!(header(&resp, "content-type").starts_with("text/event-stream"));
-    assert!(header_f64(&resp, "x-sim-ttft-ms") > 0.0);
+    // Sent at admission, the headers cannot know the TTFT.
+    assert!(resp.headers().get("x-sim-ttft-ms").is_none());
     let body = resp.text().await.unwrap();
     assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
     let payloads = sse_payloads(&body);
