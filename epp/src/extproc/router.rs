@@ -1,14 +1,15 @@
 //! What the ext_proc session needs from the decision side, declared here by
-//! its consumer: two calls per request, and one optional. `route` decides
+//! its consumer: two calls per request, and two optional. `route` decides
 //! where the request goes and hands back a ticket; `complete` reports what
-//! the response path showed; `usage`, the token counts the answer reported,
-//! when the router wants them. The session keeps the ticket until the stream ends (dropping it
+//! the response headers showed; `first_token`, when a streamed answer's
+//! first token came; `usage`, the token counts the answer reported, when the
+//! router wants them. The session keeps the ticket until the stream ends (dropping it
 //! ends the request's time in flight), so it never sees how decisions are
 //! made or what is learnt from them.
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::body::{Api, ParsedBody};
 pub use super::usage::Usage;
@@ -75,10 +76,15 @@ pub struct ResponseFacts {
     /// `x-gateway-destination-endpoint-served` metadata, or else Envoy's
     /// `upstream.address` attribute.
     pub served: Option<String>,
-    /// When the response headers arrived (the first byte, as the EPP sees it).
-    pub at: Option<Instant>,
-    /// A first-byte time the gateway or server measured itself, if reported.
-    pub reported_ttft: Option<std::time::Duration>,
+    /// A TTFT the gateway or server measured itself, if reported.
+    pub reported_ttft: Option<Duration>,
+    /// [`Router::first_token`] will be called when the answer's first token
+    /// reaches the EPP: a successful streamed answer (`text/event-stream`)
+    /// whose body the gateway sends as it comes. The headers' own arrival
+    /// says nothing of the TTFT: vLLM's and SGLang's servers send a streamed
+    /// answer's headers at admission, before its prefill, and a whole
+    /// answer's with its last token.
+    pub first_token_follows: bool,
 }
 
 pub trait Router: Send + Sync + 'static {
@@ -94,6 +100,10 @@ pub trait Router: Send + Sync + 'static {
     /// The response path of a routed request: called once, when response
     /// headers arrive or, without them, when the stream ends.
     fn complete(&self, ticket: &mut Self::Ticket, facts: ResponseFacts);
+
+    /// A streamed answer's first token reached the EPP at `at`: called at
+    /// most once, after [`Router::complete`] said it would follow.
+    fn first_token(&self, _ticket: &mut Self::Ticket, _at: Instant) {}
 
     /// Whether [`Router::usage`] wants this request's answer read.
     fn wants_usage(&self, _ticket: &Self::Ticket) -> bool {

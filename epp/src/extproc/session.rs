@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -29,7 +29,8 @@ use super::*;
 use crate::lists::comma_separated;
 use crate::metrics::Metrics;
 
-/// `BodySendMode::FullDuplexStreamed` in the filter's protocol config.
+/// `BodySendMode` values in the filter's protocol config.
+const STREAMED: i32 = 1;
 const FULL_DUPLEX_STREAMED: i32 = 4;
 
 /// A routed request's ticket, and whether its response was reported.
@@ -40,6 +41,8 @@ struct Routed<T> {
     detail: Option<String>,
     /// Reads the answer's usage counts, when the router wants them.
     usage: Option<UsageScanner>,
+    /// The router was told a first token would follow, and it has not come.
+    awaiting_first_token: bool,
 }
 
 pub struct Session<R: Router> {
@@ -49,6 +52,9 @@ pub struct Session<R: Router> {
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     request_streamed: bool,
     response_streamed: bool,
+    /// The gateway sends the response body as it comes (`STREAMED` or
+    /// `FULL_DUPLEX_STREAMED`), so a chunk's arrival times its token.
+    response_body_live: bool,
     headers: BTreeMap<String, String>,
     api: Option<Api>,
     path: String,
@@ -77,6 +83,7 @@ impl<R: Router> Session<R> {
             tx,
             request_streamed: false,
             response_streamed: false,
+            response_body_live: false,
             headers: BTreeMap::new(),
             api: None,
             path: String::new(),
@@ -157,6 +164,8 @@ impl<R: Router> Session<R> {
         if let Some(pc) = &msg.protocol_config {
             self.request_streamed = pc.request_body_mode == FULL_DUPLEX_STREAMED;
             self.response_streamed = pc.response_body_mode == FULL_DUPLEX_STREAMED;
+            self.response_body_live =
+                matches!(pc.response_body_mode, STREAMED | FULL_DUPLEX_STREAMED);
         }
         if let Some(md) = &msg.metadata_context
             && let Some(subset) = subset_hint(md)
@@ -309,6 +318,7 @@ impl<R: Router> Session<R> {
             ticket,
             completed: false,
             detail,
+            awaiting_first_token: false,
         });
         let replies = reply::answer(
             &route,
@@ -354,11 +364,14 @@ impl<R: Router> Session<R> {
                 routed.usage = None;
             }
             Span::current().record("outcome", status);
+            routed.awaiting_first_token = (200..300).contains(&status)
+                && self.response_body_live
+                && is_event_stream(&headers);
             let facts = ResponseFacts {
                 status: Some(status),
                 served: served.clone(),
-                at: Some(Instant::now()),
                 reported_ttft,
+                first_token_follows: routed.awaiting_first_token,
             };
             self.router.complete(&mut routed.ticket, facts);
         }
@@ -387,6 +400,7 @@ impl<R: Router> Session<R> {
     }
 
     async fn on_response_body(&mut self, b: HttpBody) -> bool {
+        self.note_first_token(&b.body);
         self.read_usage(&b);
         if !self.response_streamed {
             return self.send(reply::continue_response_body()).await;
@@ -410,6 +424,19 @@ impl<R: Router> Session<R> {
             ..ProcessingResponse::default()
         })
         .await
+    }
+
+    /// Tells the router when the first chunk with a token arrives.
+    fn note_first_token(&mut self, chunk: &[u8]) {
+        let Some(routed) = &mut self.routed else {
+            return;
+        };
+        if routed.awaiting_first_token && carries_a_token(self.api, chunk) {
+            routed.awaiting_first_token = false;
+            // Tokio's clock: the same as std's, but a test can pause it.
+            let at = tokio::time::Instant::now().into_std();
+            self.router.first_token(&mut routed.ticket, at);
+        }
     }
 
     /// Feeds the answer to the usage scanner; at its end, reports.
@@ -506,6 +533,31 @@ fn record_route(route: &Route) {
     }
 }
 
+/// A `text/event-stream` answer: tokens come as events, the first with the
+/// first token.
+fn is_event_stream(headers: &BTreeMap<String, String>) -> bool {
+    headers.get("content-type").is_some_and(|v| {
+        v.trim_start()
+            .get(..17)
+            .is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
+    })
+}
+
+/// Whether a chunk of a streamed answer carries (the start of) a token.
+/// A chat or completions stream sends nothing before its first token (vLLM
+/// and SGLang send the chat role chunk with it), so any event does, but not
+/// a blank line or a `:` comment (a keep-alive). A Responses stream opens
+/// with `response.created` at admission: only a `*.delta` event does.
+fn carries_a_token(api: Option<Api>, chunk: &[u8]) -> bool {
+    if api == Some(Api::Responses) {
+        return memchr::memmem::find(chunk, b".delta").is_some();
+    }
+    chunk.split(|&b| b == b'\n').any(|line| {
+        let line = line.trim_ascii();
+        !line.is_empty() && line[0] != b':'
+    })
+}
+
 fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
     headers
         .map(|h| {
@@ -578,6 +630,7 @@ mod tests {
     //! message, with no decision logic behind it.
 
     use std::sync::Mutex;
+    use std::time::Instant;
 
     use envoy_types::pb::envoy::config::core::v3::HeaderValue;
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProtocolConfiguration};
@@ -591,6 +644,7 @@ mod tests {
         route: Route,
         routed: Mutex<Vec<String>>,
         completed: Mutex<Vec<ResponseFacts>>,
+        first_tokens: Mutex<Vec<Instant>>,
         usage: Mutex<Vec<Usage>>,
         tickets_alive: Arc<()>,
     }
@@ -601,6 +655,7 @@ mod tests {
                 route,
                 routed: Mutex::default(),
                 completed: Mutex::default(),
+                first_tokens: Mutex::default(),
                 usage: Mutex::default(),
                 tickets_alive: Arc::new(()),
             })
@@ -624,6 +679,10 @@ mod tests {
 
         fn complete(&self, _ticket: &mut Arc<()>, facts: ResponseFacts) {
             self.completed.lock().unwrap().push(facts);
+        }
+
+        fn first_token(&self, _ticket: &mut Arc<()>, at: Instant) {
+            self.first_tokens.lock().unwrap().push(at);
         }
 
         fn wants_usage(&self, _ticket: &Arc<()>) -> bool {
@@ -717,6 +776,22 @@ mod tests {
         streamed: bool,
         messages: Vec<Msg>,
     ) -> Vec<ProcessingResponse> {
+        let mut requests: Vec<ProcessingRequest> = messages.into_iter().map(request).collect();
+        if streamed && let Some(first) = requests.first_mut() {
+            first.protocol_config = Some(ProtocolConfiguration {
+                request_body_mode: FULL_DUPLEX_STREAMED,
+                response_body_mode: FULL_DUPLEX_STREAMED,
+                ..ProtocolConfiguration::default()
+            });
+        }
+        exchange_requests(router, requests).await
+    }
+
+    /// Runs one session over `requests` as given and returns every reply.
+    async fn exchange_requests(
+        router: &Arc<FakeRouter>,
+        requests: Vec<ProcessingRequest>,
+    ) -> Vec<ProcessingResponse> {
         let metrics = Arc::new(Metrics::default());
         let budget = BodyBudget::new(1 << 20, metrics.buffered_body_bytes());
         let (tx, mut rx) = mpsc::channel(64);
@@ -727,14 +802,6 @@ mod tests {
             budget.hold(),
             tx,
         );
-        let mut requests: Vec<ProcessingRequest> = messages.into_iter().map(request).collect();
-        if streamed && let Some(first) = requests.first_mut() {
-            first.protocol_config = Some(ProtocolConfiguration {
-                request_body_mode: FULL_DUPLEX_STREAMED,
-                response_body_mode: FULL_DUPLEX_STREAMED,
-                ..ProtocolConfiguration::default()
-            });
-        }
         let inbound = futures::stream::iter(requests.into_iter().map(Ok));
         session.run(inbound).await;
         let mut out = Vec::new();
@@ -967,8 +1034,122 @@ mod tests {
         let completed = router.completed.lock().unwrap();
         assert_eq!(completed.len(), 1);
         assert_eq!(completed[0].status, Some(200));
-        assert!(completed[0].at.is_some());
+        assert!(
+            !completed[0].first_token_follows,
+            "no body is sent back: no first token to time"
+        );
         assert_eq!(router.live_tickets(), 0, "the ticket ends with the stream");
+    }
+
+    fn answer_headers(status: &str, content_type: &str) -> Msg {
+        match headers(
+            &[(":status", status), ("content-type", content_type)],
+            false,
+        ) {
+            Msg::RequestHeaders(h) => Msg::ResponseHeaders(h),
+            _ => unreachable!(),
+        }
+    }
+
+    /// vLLM's and SGLang's servers send a streamed answer's headers at
+    /// admission: the TTFT is timed at the first chunk that carries an
+    /// event, not at the headers, and not at a keep-alive comment.
+    #[tokio::test(start_paused = true)]
+    async fn a_streamed_answers_first_token_is_timed_at_its_first_event() {
+        let router = FakeRouter::new(local());
+        let s = live(&router, 1 << 20, Duration::from_secs(30));
+        let streamed = ProtocolConfiguration {
+            request_body_mode: FULL_DUPLEX_STREAMED,
+            response_body_mode: FULL_DUPLEX_STREAMED,
+            ..ProtocolConfiguration::default()
+        };
+        let send = async |msg: Msg| s.inbound.send(Ok(request(msg))).await.unwrap();
+        s.inbound
+            .send(Ok(ProcessingRequest {
+                protocol_config: Some(streamed),
+                ..request(headers(&[PATH], false))
+            }))
+            .await
+            .unwrap();
+        send(body(CHAT, true)).await;
+        let now = || tokio::time::Instant::now().into_std();
+        let headers_at = now();
+        send(answer_headers("200", "text/event-stream; charset=utf-8")).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        send(response_body(b": keep-alive\n\n", false)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let first_event_at = now();
+        send(response_body(
+            b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            false,
+        ))
+        .await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send(response_body(b"data: [DONE]\n\n", true)).await;
+        drop(s.inbound);
+        s.task.await.unwrap();
+        let completed = router.completed.lock().unwrap();
+        assert!(completed[0].first_token_follows, "{completed:?}");
+        let first_tokens = router.first_tokens.lock().unwrap();
+        assert_eq!(*first_tokens, [first_event_at]);
+        assert_eq!(first_tokens[0] - headers_at, Duration::from_secs(1));
+    }
+
+    /// No first token is promised, or timed, for an answer whose chunks do
+    /// not arrive as they come, for a whole (JSON) answer, or for an error.
+    #[test]
+    fn a_token_is_any_event_but_a_responses_streams_opening() {
+        let chat = Some(Api::Chat);
+        assert!(carries_a_token(chat, b"data: {\"choices\":[]}\n\n"));
+        assert!(carries_a_token(chat, b"da"), "an event split across chunks");
+        assert!(!carries_a_token(chat, b": ping\n\n\n"));
+        assert!(!carries_a_token(chat, b""));
+        let responses = Some(Api::Responses);
+        let created = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\n";
+        assert!(!carries_a_token(responses, created));
+        assert!(carries_a_token(
+            responses,
+            b"event: response.output_text.delta\ndata: {\"delta\":\"Hi\"}\n\n"
+        ));
+    }
+
+    #[tokio::test]
+    async fn only_a_successful_event_stream_sent_as_it_comes_times_a_first_token() {
+        let event = response_body(b"data: {}\n\n", true);
+        for (response_mode, status, content_type, follows) in [
+            (FULL_DUPLEX_STREAMED, "200", "text/event-stream", true),
+            (STREAMED, "200", "TEXT/EVENT-STREAM", true),
+            (2, "200", "text/event-stream", false), // BUFFERED: one chunk at the end
+            (FULL_DUPLEX_STREAMED, "200", "application/json", false),
+            (FULL_DUPLEX_STREAMED, "400", "text/event-stream", false),
+            (FULL_DUPLEX_STREAMED, "503", "text/event-stream", false),
+        ] {
+            let router = FakeRouter::new(local());
+            let mut requests = [
+                headers(&[PATH], false),
+                body(CHAT, true),
+                answer_headers(status, content_type),
+                event.clone(),
+            ]
+            .map(request);
+            requests[0].protocol_config = Some(ProtocolConfiguration {
+                request_body_mode: FULL_DUPLEX_STREAMED,
+                response_body_mode: response_mode,
+                ..ProtocolConfiguration::default()
+            });
+            exchange_requests(&router, requests.into()).await;
+            let case = format!("mode {response_mode}, {status}, {content_type}");
+            assert_eq!(
+                router.completed.lock().unwrap()[0].first_token_follows,
+                follows,
+                "{case}"
+            );
+            assert_eq!(
+                router.first_tokens.lock().unwrap().len(),
+                usize::from(follows),
+                "{case}"
+            );
+        }
     }
 
     fn response_body(bytes: &[u8], end_of_stream: bool) -> Msg {

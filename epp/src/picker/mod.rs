@@ -9,7 +9,7 @@ mod recent;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kinference_policy::duration::parse_duration;
 use kinference_policy::eval::{
@@ -381,7 +381,10 @@ pub struct Ticket {
     address: Option<String>,
     /// The TTFT prediction's inputs; `None` when there was no prediction.
     features: Option<TtftFeatures>,
-    /// Once the first byte came: its TTFT, for the model to learn when the
+    /// Who a TTFT measured from now on belongs to: set by a successful
+    /// answer's headers, taken by the first TTFT (reported or timed).
+    ttft_owner: Option<TtftOwner>,
+    /// Once the first token came: its TTFT, for the model to learn when the
     /// engine's cached count has come or the stream ends.
     sample: Option<TtftSample>,
     /// The answer will end with the engine's token counts, if the engine
@@ -413,6 +416,7 @@ impl Ticket {
             state,
             address,
             features,
+            ttft_owner: None,
             sample: None,
             usage_in_answer,
             predicted_ttft,
@@ -421,6 +425,16 @@ impl Ticket {
             decided_at: now,
         }
     }
+}
+
+/// The Pod a successful answer's TTFT is learnt for.
+enum TtftOwner {
+    /// The pick answered: its statistics, the prediction's error and the
+    /// TTFT model learn it.
+    Pick,
+    /// A fallback answered: its statistics only. The model was calibrated
+    /// on the pick's inputs, not on this Pod's.
+    Fallback(Arc<DestinationState>),
 }
 
 /// Whether the answer will end with its token counts (when its engine
@@ -443,6 +457,40 @@ impl Drop for Ticket {
 }
 
 impl Picker {
+    /// A successful answer's TTFT, once: the observed statistics count it
+    /// now, the TTFT model once the engine has said what it had cached (see
+    /// [`TtftSample`]).
+    fn learn_ttft(&self, ticket: &mut Ticket, ttft: Duration, now: Instant) {
+        match ticket.ttft_owner.take() {
+            Some(TtftOwner::Pick) => {}
+            Some(TtftOwner::Fallback(actual)) => {
+                actual.stats.record_ttft(ttft, now);
+                return;
+            }
+            None => return,
+        }
+        if let Some(predicted) = ticket.predicted_ttft {
+            self.metrics
+                .observe_ttft_prediction(predicted, ttft.as_secs_f64());
+        }
+        ticket.state.stats.record_ttft(ttft, now);
+        let sample = ticket.features.take().map(|f| {
+            let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
+            // Taken, not cloned: the TTFT is learnt once, and the fallback
+            // check in `complete` was the address's last other reader.
+            let decided = Decided {
+                endpoint: ticket.address.take(),
+                predicted: ticket.predicted_ttft,
+            };
+            TtftSample::new(model, state, f, ttft.as_secs_f64(), decided)
+        });
+        if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
+            ticket.sample = sample;
+        } else if let Some(sample) = sample {
+            sample.learn();
+        }
+    }
+
     /// The Pod `state` was sent a prompt with these block hashes at `now`:
     /// its indexes hold it from now on.
     fn remember_prompt(&self, state: Arc<DestinationState>, chain: Arc<[u64]>, now: Instant) {
@@ -544,10 +592,7 @@ impl Router for Picker {
         let chain = ticket.chain.take();
         // No response headers: neither a success nor a failure.
         let Some(status) = facts.status else { return };
-        let now = facts.at.unwrap_or_else(Instant::now);
-        let ttft = facts
-            .reported_ttft
-            .unwrap_or_else(|| now.saturating_duration_since(ticket.decided_at));
+        let now = Instant::now();
         if status >= 500 || status == 429 {
             ticket.guard.record(Outcome::Failure, now);
             return;
@@ -557,52 +602,40 @@ impl Router for Picker {
         let answered = (200..300).contains(&status);
         // The gateway went down the fallback list: the selected endpoint
         // failed and another answered. Credit that one with the success and
-        // its TTFT; the model is calibrated only on the predicted one. A
-        // served address that is no Pod of the pool (an Envoy internal
-        // address, a Service's) tells of no fallback.
+        // its TTFT. A served address that is no Pod of the pool (an Envoy
+        // internal address, a Service's) tells of no fallback.
         let fallback = match (ticket.address.as_deref(), facts.served.as_deref()) {
             (Some(picked), Some(served)) if picked != served => self.registry.state_at(served),
             _ => None,
         };
         if let Some(actual) = fallback {
             self.metrics.fallback_answered();
-            actual.stats.record_ttft(ttft, now);
             actual.stats.record_outcome(Outcome::Success, now);
             // Its engine holds the prompt now, as well as (or rather than)
             // the pick's. Its events, if any, may have come already: not
             // awaited.
             if let Some(chain) = chain.filter(|_| answered) {
-                self.remember_prompt(actual, chain, now);
+                self.remember_prompt(Arc::clone(&actual), chain, now);
             }
             ticket.guard.record(Outcome::Failure, now);
             // The answer's cached count is another Pod's: not a check of
             // this decision's prefix.
             ticket.prefix = None;
-            return;
+            ticket.ttft_owner = answered.then_some(TtftOwner::Fallback(actual));
+        } else {
+            ticket.guard.record(Outcome::Success, now);
+            ticket.ttft_owner = answered.then_some(TtftOwner::Pick);
         }
-        if let Some(predicted) = ticket.predicted_ttft {
-            self.metrics
-                .observe_ttft_prediction(predicted, ttft.as_secs_f64());
+        // Otherwise the first token times it; a whole answer gives no TTFT
+        // here (its headers come with its last token) and teaches nothing.
+        if let Some(reported) = facts.reported_ttft {
+            self.learn_ttft(ticket, reported, now);
         }
-        // The observed statistics count it now, the TTFT model once
-        // the engine has said what it had cached (see TtftSample).
-        ticket.state.stats.record_ttft(ttft, now);
-        let sample = ticket.features.take().filter(|_| answered).map(|f| {
-            let (model, state) = (Arc::clone(&self.ttft), Arc::clone(&ticket.state));
-            // Taken, not cloned: `complete` is called once, and the
-            // fallback check above was its last other reader.
-            let decided = Decided {
-                endpoint: ticket.address.take(),
-                predicted: ticket.predicted_ttft,
-            };
-            TtftSample::new(model, state, f, ttft.as_secs_f64(), decided)
-        });
-        if ticket.usage_in_answer || ticket.state.reports_usage_unasked() {
-            ticket.sample = sample;
-        } else if let Some(sample) = sample {
-            sample.learn();
-        }
-        ticket.guard.record(Outcome::Success, now);
+    }
+
+    fn first_token(&self, ticket: &mut Ticket, at: Instant) {
+        let ttft = at.saturating_duration_since(ticket.decided_at);
+        self.learn_ttft(ticket, ttft, at);
     }
 
     fn wants_usage(&self, ticket: &Ticket) -> bool {
