@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::picker::PickerConfig;
-use kinference_epp::predict::DestSnapshot;
+use kinference_epp::predict::{DestSnapshot, TtftFeatures};
 use kinference_epp::server::{Epp, Settings};
-use kinference_simulator::{SimConfig, SimHandle};
+use kinference_simulator::{SimConfig, SimHandle, StreamHeaders};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, ServedReport, Template};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -234,6 +234,15 @@ impl Stack {
     async fn chat(&self, model: &str, prompt: &str, headers: &[(&str, &str)]) -> Answer {
         self.post("/v1/chat/completions", &chat(model, prompt), headers)
             .await
+    }
+
+    /// A streamed chat (`"stream": true`): its TTFT is timed at its first
+    /// token. `Answer::json` is null (the body is events).
+    async fn stream_chat(&self, model: &str, prompt: &str, headers: &[(&str, &str)]) -> Answer {
+        let mut body: Value = serde_json::from_slice(&chat(model, prompt)).unwrap();
+        body["stream"] = json!(true);
+        let body = serde_json::to_vec(&body).unwrap();
+        self.post("/v1/chat/completions", &body, headers).await
     }
 
     /// Envoy's access record of the request with this `x-request-id`
@@ -636,7 +645,9 @@ async fn a_fallback_is_credited_to_the_pod_that_answered() {
         stack.pods[0].kill();
         for i in 0..3 {
             let id = format!("{ids}-{i}");
-            let answer = stack.chat("qwen", "hi", &[("x-request-id", &id)]).await;
+            let answer = stack
+                .stream_chat("qwen", "hi", &[("x-request-id", &id)])
+                .await;
             assert_eq!(answer.served_by.as_deref(), Some("b"), "{report}");
             let record = stack.access(&id).await;
             assert_eq!(record.attempts, 2, "{report}: not a fallback: {record:?}");
@@ -649,7 +660,13 @@ async fn a_fallback_is_credited_to_the_pod_that_answered() {
         );
         assert!(a.error_rate > 0.5, "{report}: the dead pick: {a:?}");
         assert!(a.observed_ttft.is_none(), "{report}: the dead pick: {a:?}");
-        assert!(b.observed_ttft.is_some(), "{report}: the fallback: {b:?}");
+        // A buffered gateway sends the EPP no response body: no first token
+        // to time, so no TTFT for anyone.
+        assert_eq!(
+            b.observed_ttft.is_some(),
+            !buffered,
+            "{report}: the fallback: {b:?}"
+        );
     }
 }
 
@@ -702,7 +719,7 @@ const GUARD_ERRORS: &str = "rules:
 async fn with_response_headers_sent_success_and_ttft_are_recorded() {
     let stack = Stack::start(Setup::new(Template::Streamed, GUARD_ERRORS, ab())).await;
     for _ in 0..15 {
-        let answer = stack.chat("qwen", "hi", &[]).await;
+        let answer = stack.stream_chat("qwen", "hi", &[]).await;
         assert_eq!(answer.status, 200, "{}", answer.text);
     }
     let a = stack.learnt(0).await;
@@ -741,7 +758,15 @@ fn sample(metrics: &str, name: &str, direction: &str) -> f64 {
 async fn every_predicted_request_reports_its_ttft_prediction_error() {
     let stack = Stack::start(Setup::new(Template::Streamed, FASTEST_FIRST_TOKEN, ab())).await;
     for i in 0..12 {
-        let answer = stack.chat("qwen", &format!("question {i}"), &[]).await;
+        let answer = stack
+            .stream_chat("qwen", &format!("question {i}"), &[])
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    // A whole answer's headers come with its last token: it is no TTFT,
+    // and a model that has nothing right to learn learns nothing.
+    for i in 0..5 {
+        let answer = stack.chat("qwen", &format!("whole {i}"), &[]).await;
         assert_eq!(answer.status, 200, "{}", answer.text);
     }
     for i in 0..2 {
@@ -764,6 +789,79 @@ async fn every_predicted_request_reports_its_ttft_prediction_error() {
     };
     assert_eq!(count("over") + count("under"), 12.0, "{metrics}");
     assert!(sum("over") + sum("under") > 0.0, "{metrics}");
+}
+
+/// One Pod that prefills 20,000 tokens a second after 20 ms, caches
+/// nothing and decodes fast; its headers at admission (as vLLM's server)
+/// or with the first token.
+fn prefill_bound(c: SimConfig, headers: StreamHeaders) -> SimConfig {
+    SimConfig {
+        time_scale: 1.0,
+        base_latency_ms: 20.0,
+        prefill_tokens_per_sec: 20_000.0,
+        decode_tokens_per_sec: 2_000.0,
+        prefix_cache_blocks: 0,
+        stream_headers: headers,
+        ..c
+    }
+}
+
+/// Whenever the engine sends a streamed answer's headers, the TTFT model
+/// learns the same law, the engine's: the TTFT is timed at the first token.
+/// (Timed at the headers, an engine answering at admission taught it a
+/// TTFT of a few milliseconds, whatever the prompt.)
+#[tokio::test]
+async fn the_ttft_model_learns_the_same_law_whenever_the_engine_sends_its_headers() {
+    let mut learnt = Vec::new();
+    for headers in [StreamHeaders::Admission, StreamHeaders::FirstToken] {
+        let pods = vec![Pod {
+            config: match headers {
+                StreamHeaders::Admission => |c| prefill_bound(c, StreamHeaders::Admission),
+                StreamHeaders::FirstToken => |c| prefill_bound(c, StreamHeaders::FirstToken),
+            },
+            ..pod("a", &["qwen"])
+        }];
+        let stack = Stack::start(Setup::new(Template::Streamed, FASTEST_FIRST_TOKEN, pods)).await;
+        // Prompts of 100 to 2,400 tokens: 25 to 140 ms of prefill.
+        for i in 0..30 {
+            let prompt = format!("{i} ") + &"word ".repeat(80 + 160 * (i % 12));
+            let answer = stack.stream_chat("qwen", &prompt, &[]).await;
+            assert_eq!(answer.status, 200, "{headers:?}: {}", answer.text);
+        }
+        stack.learnt(0).await;
+        let state = stack
+            .epp
+            .registry()
+            .state_at(&stack.pods[0].addr().to_string())
+            .unwrap();
+        let predict = |tokens: f64| {
+            let features = TtftFeatures::new(0.0, 0.0, tokens, 0.0, 0.0);
+            stack.epp.picker.ttft.predict(&state.ttft, &features)
+        };
+        let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+        let of = |suffix: &str| {
+            let name = format!("kinference_epp_ttft_prediction_relative_error_{suffix}");
+            sample(&metrics, &name, "over") + sample(&metrics, &name, "under")
+        };
+        let mean_error = of("sum") / of("count");
+        learnt.push((headers, predict(500.0), predict(2_000.0), mean_error));
+    }
+    for &(headers, short, long, _) in &learnt {
+        // The engine's own law: 20 ms, then 50 µs a token.
+        for (prediction, truth) in [(short, 0.045), (long, 0.120)] {
+            assert!(
+                (0.6..1.7).contains(&(prediction / truth)),
+                "{headers:?}: predicted {prediction:.3} s where the engine takes {truth} s: {learnt:?}"
+            );
+        }
+    }
+    let [(_, short_a, long_a, error_a), (_, short_f, long_f, error_f)] = learnt[..] else {
+        unreachable!()
+    };
+    for ratio in [short_a / short_f, long_a / long_f] {
+        assert!((0.75..1.33).contains(&ratio), "{learnt:?}");
+    }
+    assert!((error_a - error_f).abs() < 0.15, "{learnt:?}");
 }
 
 #[tokio::test]
