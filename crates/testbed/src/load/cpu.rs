@@ -106,9 +106,17 @@ pub fn threads_cpu(prefix: &str) -> Duration {
     tasks_cpu("/proc/self/task", prefix)
 }
 
-/// CPU time of all threads of process `pid`.
+/// Linux's `USER_HZ`, the unit of `/proc/<pid>/stat`'s times: 100 on
+/// every architecture it runs on.
+const TICK: Duration = Duration::from_millis(10);
+
+/// CPU time of process `pid`, its exited threads included: the process's
+/// utime + stime, in ticks of 10 ms. Summing its live threads' `schedstat`
+/// instead would drop a thread that exited inside the window (a precise-mode
+/// EPP's lowered tokenizations run on threads of their own).
 pub fn process_cpu(pid: u32) -> Duration {
-    tasks_cpu(format!("/proc/{pid}/task"), "")
+    let ticks = process_ticks(Some(pid));
+    TICK * u32::try_from(ticks).unwrap_or(u32::MAX)
 }
 
 /// utime + stime of process `pid` (this process when `None`), in clock
@@ -332,6 +340,38 @@ mod tests {
         assert_eq!(cpu.others, 0.3);
         // A clock that went backwards counts as nothing.
         assert_eq!(Cpu::between(&b, &a)[0], Duration::ZERO);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_process_keeps_the_cpu_of_its_exited_threads() {
+        let pid = std::process::id();
+        let before = process_cpu(pid);
+        // Burns 300 ms of its own CPU time (not wall time, which a busy
+        // machine stretches), then exits.
+        std::thread::Builder::new()
+            .name("burner".into())
+            .spawn(|| {
+                let mine = || {
+                    std::fs::read_to_string("/proc/thread-self/schedstat")
+                        .ok()
+                        .as_deref()
+                        .and_then(parse_schedstat)
+                        .unwrap_or(Duration::MAX)
+                };
+                let mut x = 0u64;
+                while mine() < Duration::from_millis(300) {
+                    for i in 0..10_000 {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+                    }
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let used = process_cpu(pid) - before;
+        // One tick of rounding at each end.
+        assert!(used >= Duration::from_millis(280), "{used:?}");
     }
 
     #[cfg(target_os = "linux")]
