@@ -52,7 +52,7 @@ fn chat(system: &str, question: &str) -> PromptText {
 /// A Pod whose engine stored `tokens`' full blocks, shown in `pool`.
 fn pod_holding(tokens: &PromptTokens, seq: u64, pool: &Arc<PoolIndex>) -> Arc<DestinationState> {
     let state = DestinationState::in_pool(&DestinationConfig::default(), pool);
-    let chain = tokens.chain(BLOCK_SIZE);
+    let chain = tokens.chain(BLOCK_SIZE, None);
     let ids = tokens.ids();
     let batch = EventBatch {
         ts: 0.0,
@@ -91,7 +91,7 @@ fn benches(c: &mut Criterion) {
         c.bench_function(&format!("precise: tokenize+chain/{name}"), |b| {
             b.iter(|| {
                 let tokens = PromptTokens::new(tokenizer.tokens(black_box(&prompt)).unwrap());
-                black_box(tokens.chain(BLOCK_SIZE).len())
+                black_box(tokens.chain(BLOCK_SIZE, None).len())
             })
         });
         // A system prompt never seen: encoded whole.
@@ -101,7 +101,7 @@ fn benches(c: &mut Criterion) {
                 || chat(&words(&mut fresh, bytes), "why is that so?"),
                 |prompt| {
                     let tokens = PromptTokens::new(qwen3.tokens(&prompt).unwrap());
-                    black_box(tokens.chain(BLOCK_SIZE).len())
+                    black_box(tokens.chain(BLOCK_SIZE, None).len())
                 },
                 BatchSize::SmallInput,
             )
@@ -122,7 +122,7 @@ fn benches(c: &mut Criterion) {
                     },
                     |prompt| {
                         let tokens = PromptTokens::new(qwen3.tokens(&prompt).unwrap());
-                        black_box(tokens.chain(BLOCK_SIZE).len())
+                        black_box(tokens.chain(BLOCK_SIZE, None).len())
                     },
                     BatchSize::SmallInput,
                 )
@@ -148,7 +148,7 @@ fn benches(c: &mut Criterion) {
         let own = Arc::new(PoolIndex::default());
         alone.push((pod_holding(&held, i as u64, &own), own));
     }
-    let chain = tokens.chain(BLOCK_SIZE);
+    let chain = tokens.chain(BLOCK_SIZE, None);
     let now = std::time::Instant::now();
     let walk_each = |chain: &[u64]| -> Vec<usize> {
         alone

@@ -374,7 +374,7 @@ fn chain_of(body: &Value) -> std::sync::Arc<[u64]> {
     let parsed = kinference_epp::extproc::body::parse(body.to_string().as_bytes()).unwrap();
     let prompt = kinference_epp::kv_events::tokenize::PromptText::of(&parsed);
     let ids = Tokenizer::simulator_dummy().tokens(&prompt).unwrap();
-    kinference_epp::kv_events::tokenize::PromptTokens::new(ids).chain(BLOCK_SIZE)
+    kinference_epp::kv_events::tokenize::PromptTokens::new(ids).chain(BLOCK_SIZE, None)
 }
 
 #[tokio::test]

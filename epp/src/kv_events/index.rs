@@ -32,6 +32,10 @@ pub const SILENCE: Duration = Duration::from_secs(10);
 /// large its KV cache is.
 pub const DEFAULT_CAPACITY: usize = 65_536;
 
+/// Adapter names an index remembers: a vLLM serves a few dozen at most
+/// (`--max-loras`, `--max-cpu-loras`).
+const MAX_ADAPTERS: usize = 256;
+
 /// The parent llm-d-inference-sim gives a sequence's first block.
 const NO_PARENT: EngineBlock = EngineBlock(0);
 
@@ -282,6 +286,9 @@ impl IndexUse {
 struct Inner {
     /// Per data-parallel rank (`None`: no data parallelism).
     engines: HashMap<Option<u32>, Engine>,
+    /// LoRA adapters the Pod's engines stored blocks for, at most
+    /// [`MAX_ADAPTERS`]: a request naming one is matched in its chain.
+    adapters: std::collections::BTreeSet<String>,
     /// The first request routed to the Pod since its last event.
     awaiting_since: Option<Instant>,
     cap: usize,
@@ -344,6 +351,7 @@ impl PodKvIndex {
             pool,
             inner: Mutex::new(Inner {
                 engines: HashMap::new(),
+                adapters: Default::default(),
                 awaiting_since: None,
                 cap: cap.max(1),
             }),
@@ -371,9 +379,13 @@ impl PodKvIndex {
             .or_insert_with(|| Engine::new(&self.pool, seq));
         engine.stale |= seq > engine.next_seq;
         engine.next_seq = seq.wrapping_add(1);
+        let mut adapters = Vec::new();
         for event in &batch.events {
             match event {
-                KvEvent::Stored(s) => engine.store(s, cap, &mut applied),
+                KvEvent::Stored(s) => {
+                    engine.store(s, cap, &mut applied);
+                    adapters.extend(s.lora_name.as_deref());
+                }
                 KvEvent::Removed(r) => {
                     for key in &r.block_hashes {
                         applied.removed += u64::from(engine.forget(*key));
@@ -387,8 +399,18 @@ impl PodKvIndex {
                 }
             }
         }
+        for adapter in adapters {
+            if inner.adapters.len() < MAX_ADAPTERS && !inner.adapters.contains(adapter) {
+                inner.adapters.insert(adapter.to_string());
+            }
+        }
         applied.became_stale = !was_stale && inner.freshness() == Freshness::Stale;
         applied
+    }
+
+    /// Whether the Pod's engines stored blocks for LoRA adapter `name`.
+    pub fn has_adapter(&self, name: &str) -> bool {
+        lock(&self.inner).adapters.contains(name)
     }
 
     pub fn freshness(&self) -> Freshness {
@@ -516,6 +538,29 @@ mod tests {
         let mut out = Vec::new();
         token_chain(chain_root(None), &tokens, BS as usize, 1024, &mut out);
         out
+    }
+
+    /// vLLM roots a LoRA request's blocks at its adapter: a prompt matches
+    /// them in its adapter's chain only, never in the base model's.
+    #[test]
+    fn an_adapters_blocks_match_only_in_its_own_chain() {
+        let ix = PodKvIndex::default();
+        let KvEvent::Stored(mut s) = stored(&[10, 11], None, 0) else {
+            unreachable!()
+        };
+        s.lora_name = Some("sql-lora".into());
+        ix.apply(0, &batch(vec![KvEvent::Stored(s)]));
+        let tokens: Vec<u32> = (0..8).collect();
+        let chain_of = |lora| {
+            let mut out = Vec::new();
+            token_chain(chain_root(lora), &tokens, BS as usize, 1024, &mut out);
+            out
+        };
+        assert_eq!(cached(&ix, &chain_of(Some("sql-lora"))), 2);
+        assert_eq!(cached(&ix, &chain_of(None)), 0);
+        assert_eq!(cached(&ix, &chain_of(Some("other-lora"))), 0);
+        assert!(ix.has_adapter("sql-lora"));
+        assert!(!ix.has_adapter("other-lora"));
     }
 
     #[test]

@@ -107,7 +107,8 @@ impl CandidateSet {
         let tokenized = tokens.map(|t| t.ids().len() as u64);
         let precise = tokens.map_or_else(Vec::new, |t| {
             let indexes: Vec<&PodKvIndex> = admitted.iter().map(|(v, _)| &v.state.kv).collect();
-            precise_cached_tokens(picker.registry.kv_pool(), &indexes, t, now)
+            let adapter = lora_adapter(&request.model, admitted.iter().map(|(v, _)| *v));
+            precise_cached_tokens(picker.registry.kv_pool(), &indexes, t, adapter, now)
         });
         let units = PromptUnits::new(request.prompt_tokens, tokenized, picker.config.block_chars);
         // Requests this EPP routed to each local candidate lately.
@@ -654,6 +655,7 @@ fn precise_cached_tokens(
     pool: &PoolIndex,
     indexes: &[&PodKvIndex],
     tokens: &PromptTokens,
+    adapter: Option<&str>,
     now: Instant,
 ) -> Vec<Option<(usize, u32)>> {
     let slots: Vec<Option<(Vec<u32>, u32)>> = indexes.iter().map(|kv| kv.pool_slots(now)).collect();
@@ -670,7 +672,7 @@ fn precise_cached_tokens(
         };
         let all: Vec<u32> = of_size().flat_map(|(_, s)| s.iter().copied()).collect();
         let held: HashMap<u32, usize> = pool
-            .leading_blocks(&tokens.chain(bs), &all)
+            .leading_blocks(&tokens.chain(bs, adapter), &all)
             .into_iter()
             .collect();
         for (i, engines) in of_size() {
@@ -681,6 +683,26 @@ fn precise_cached_tokens(
         }
     }
     out
+}
+
+/// `model` when it names a LoRA adapter of one of `pods`: one its engines
+/// stored blocks for, or its metrics list running or waiting
+/// (`vllm:lora_requests_info`). The engines root an adapter's blocks at its
+/// name, so its prompt must be matched in that chain, and never in the base
+/// model's (whose cached prefix the adapter cannot use).
+fn lora_adapter<'a>(
+    model: &'a str,
+    mut pods: impl Iterator<Item = &'a EndpointView>,
+) -> Option<&'a str> {
+    let named = |list: &[String]| list.iter().any(|a| a == model);
+    pods.any(|pod| {
+        pod.state.kv.has_adapter(model)
+            || pod
+                .metrics
+                .as_ref()
+                .is_some_and(|m| named(&m.running_loras) || named(&m.waiting_loras))
+    })
+    .then_some(model)
 }
 
 /// The subset hint names `ip:port`; a bare IP (the conformance test header)
@@ -695,9 +717,75 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, in_subset};
+    use super::{CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, in_subset, lora_adapter};
     use crate::predict::TtftFeatures;
     use kinference_policy::eval::{Candidate, PrefixSource};
+
+    fn pod_view(
+        running_loras: &[&str],
+        stored_for: Option<&str>,
+    ) -> crate::endpoints::EndpointView {
+        use crate::endpoints::{Endpoint, ScrapedMetrics};
+        use crate::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+        use crate::predict::{DestinationConfig, DestinationState};
+        let state = DestinationState::new(&DestinationConfig::default());
+        if let Some(adapter) = stored_for {
+            let stored = KvEvent::Stored(BlockStored {
+                block_hashes: vec![EngineBlock(7)],
+                parent: None,
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 4,
+                lora_name: Some(adapter.into()),
+                medium: None,
+                has_extra_keys: false,
+                group_idx: None,
+            });
+            let batch = EventBatch {
+                ts: 0.0,
+                events: vec![stored],
+                data_parallel_rank: None,
+            };
+            state.kv.apply(0, &batch);
+        }
+        let metrics = ScrapedMetrics {
+            running_loras: running_loras.iter().map(|a| a.to_string()).collect(),
+            ..ScrapedMetrics::empty(std::time::Instant::now())
+        };
+        crate::endpoints::EndpointView {
+            endpoint: std::sync::Arc::new(Endpoint {
+                name: "p".into(),
+                pod: "p".into(),
+                uid: None,
+                namespace: "ns".into(),
+                ip: "10.0.0.1".parse().unwrap(),
+                port: 8000,
+                models: vec!["base".into(), "sql-lora".into()],
+                backend: None,
+                zone: None,
+                node: None,
+                labels: Default::default(),
+            }),
+            state,
+            metrics: Some(metrics),
+        }
+    }
+
+    #[test]
+    fn a_model_is_an_adapter_once_a_pod_stores_its_blocks_or_runs_it() {
+        let idle = pod_view(&[], None);
+        let running = pod_view(&["sql-lora"], None);
+        let stored = pod_view(&[], Some("sql-lora"));
+        assert_eq!(lora_adapter("sql-lora", [&idle].into_iter()), None);
+        assert_eq!(
+            lora_adapter("sql-lora", [&idle, &running].into_iter()),
+            Some("sql-lora")
+        );
+        assert_eq!(
+            lora_adapter("sql-lora", [&stored].into_iter()),
+            Some("sql-lora")
+        );
+        assert_eq!(lora_adapter("base", [&running, &stored].into_iter()), None);
+    }
 
     /// Local candidates of `(model, cached tokens of a 100-token prompt,
     /// requests running)`, followed by a provider.
