@@ -174,6 +174,17 @@ async fn chat_shape_and_default_max_tokens() {
     assert_eq!(sim.stats().requests_by_model.get("m2"), Some(&2));
 }
 
+/// A second of prefill in real time, then fast decoding.
+fn one_second_prefill(stream_headers: StreamHeaders) -> SimConfig {
+    SimConfig {
+        time_scale: 1.0,
+        base_latency_ms: 1_000.0,
+        decode_tokens_per_sec: 1_000.0,
+        stream_headers,
+        ..fast("s")
+    }
+}
+
 /// Like vLLM's server by default: a streamed answer's status and headers
 /// come at admission and its first event (the chat role chunk) with its
 /// first token, a second of prefill later. `FirstToken` sends both together,
@@ -181,14 +192,7 @@ async fn chat_shape_and_default_max_tokens() {
 #[tokio::test]
 async fn a_streamed_answers_headers_come_at_admission_unless_told_otherwise() {
     for mode in [StreamHeaders::Admission, StreamHeaders::FirstToken] {
-        let sim = start(SimConfig {
-            time_scale: 1.0,
-            base_latency_ms: 1_000.0,
-            decode_tokens_per_sec: 1_000.0,
-            stream_headers: mode,
-            ..fast("s")
-        })
-        .await;
+        let sim = start(one_second_prefill(mode)).await;
         let started = Instant::now();
         let mut resp = post(
             &sim,
@@ -225,13 +229,7 @@ async fn a_streamed_answers_headers_come_at_admission_unless_told_otherwise() {
 /// vLLM's does; its first token comes after the prefill.
 #[tokio::test]
 async fn a_responses_stream_is_created_at_admission() {
-    let sim = start(SimConfig {
-        time_scale: 1.0,
-        base_latency_ms: 1_000.0,
-        decode_tokens_per_sec: 1_000.0,
-        ..fast("s")
-    })
-    .await;
+    let sim = start(one_second_prefill(StreamHeaders::Admission)).await;
     let started = Instant::now();
     let mut resp = post(
         &sim,
