@@ -742,6 +742,44 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
     );
 }
 
+/// A refusal (4xx) was never prefilled: even with a TTFT reported, it is
+/// no sample for the model, nor for the prediction-error histogram; the
+/// 2xx answer after it is.
+#[tokio::test]
+async fn a_refused_request_teaches_no_ttft_and_counts_no_prediction_error() {
+    let policy = "rules:\n  - name: fast\n    route: { select: [{ minimize: PredictedTTFT }] }\n";
+    let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
+    let request = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
+    let errors = |h: &Harness| {
+        let metrics = h.epp.picker.metrics.render(h.epp.registry(), None);
+        ["over", "under"]
+            .map(|d| {
+                let prefix = format!(
+                    "kinference_epp_ttft_prediction_relative_error_count{{direction=\"{d}\"}} "
+                );
+                metrics
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&prefix))
+                    .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+            })
+            .iter()
+            .sum::<f64>()
+    };
+    for (status, count) in [(400, 0.0), (404, 0.0), (200, 1.0)] {
+        let (_, mut stream) = h.client.decide(&request).await.unwrap();
+        stream
+            .response_headers(status, Some(&h.addr_of(0)), Some(30.0))
+            .await
+            .unwrap();
+        stream.finish().await.unwrap();
+        let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
+        poll_until(100, || errors(&h) >= count).await;
+        assert_eq!(errors(&h), count, "after a {status}");
+        let observed = state.stats.observed_ttft(std::time::Instant::now());
+        assert_eq!(observed.is_some(), count > 0.0, "after a {status}");
+    }
+}
+
 /// The approximate index remembers prompt text and is sized like the
 /// engine's KV cache, which counts the engine's tokens. An engine whose
 /// tokenizer makes half as many tokens of a text as the estimate's 4 bytes
