@@ -147,7 +147,11 @@ fn asks_for_a_stream(body: &[u8]) -> bool {
 async fn whole(answer: reqwest::Response) -> Response<Body> {
     let status = answer.status();
     let headers = answer.headers().clone();
-    let body = answer.bytes().await.unwrap_or_default();
+    // A body cut short is the server's failure, not an empty answer.
+    let body = match answer.bytes().await {
+        Ok(body) => body,
+        Err(e) => return bad_gateway(&e),
+    };
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
     for (name, value) in &headers {
