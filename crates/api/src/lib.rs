@@ -7,6 +7,7 @@
 mod admission;
 mod crd;
 mod epp_status;
+mod inference_pool;
 mod labels;
 
 pub use admission::{
@@ -19,5 +20,8 @@ pub use crd::{
     PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
+pub use inference_pool::{
+    EndpointPickerRef, InferencePool, InferencePoolSpec, PoolSelector, PortNumber,
+};
 pub use kinference_policy::PolicySpec;
 pub use labels::*;
