@@ -496,7 +496,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(p.policy.rules.len(), 1);
-        assert_eq!(p.policy.pool.target_ports[0].number, 8000);
+        assert_eq!(p.policy.pool.as_ref().unwrap().target_ports[0].number, 8000);
         assert_eq!(p.endpoint_picker, None);
         assert!(p.network_policy().enabled);
     }

@@ -16,5 +16,5 @@ pub mod spec;
 pub mod yaml;
 
 pub use compile::{CompileError, CompileErrors, compile, policy_hash};
-pub use model::CompiledPolicy;
+pub use model::{CompiledPolicy, Pool};
 pub use spec::PolicySpec;

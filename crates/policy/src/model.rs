@@ -15,7 +15,9 @@ pub struct CompiledPolicy {
     /// as loaded, and what the operator waits for.
     pub hash: String,
     pub tenant_header: String,
-    pub pool: Pool,
+    /// The pool the policy declares; `None` for a rules-only policy, whose
+    /// pool is the InferencePool it is attached to.
+    pub pool: Option<Pool>,
     pub route: RouteSpec,
     pub providers: Vec<Provider>,
     pub classifiers: Vec<Classifier>,
@@ -90,7 +92,10 @@ impl CompiledPolicy {
     }
 
     pub fn local_model(&self, name: &str) -> Option<&ModelInfo> {
-        self.pool.models.iter().find(|m| m.name == name)
+        self.pool
+            .iter()
+            .flat_map(|p| &p.models)
+            .find(|m| m.name == name)
     }
 
     pub fn parent_refs(&self) -> &[ParentRef] {

@@ -13,9 +13,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PolicySpec {
-    /// The model-server Pods this policy routes over.
-    #[serde(default)]
-    pub pool: PoolSpec,
+    /// The model-server Pods this policy routes over. Unset: a rules-only
+    /// policy, attached to an existing InferencePool that names the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolSpec>,
     /// The Gateway route in front of the pool.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route: Option<RouteSpec>,

@@ -205,6 +205,9 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     }))
 }
 
+/// Why the operator refuses a rules-only policy.
+const POOL_REQUIRED: &str = "required: the operator creates the InferencePool from it (a rules-only policy serves an existing pool through `kinference-epp --pool-name`; attaching one with targetRefs is not supported yet)";
+
 /// Compiles the policy and checks the names it will generate and the EPP
 /// settings; every error as `path: message` with paths under `spec` (or
 /// `metadata`).
@@ -213,12 +216,15 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
         .iter()
         .map(ToString::to_string)
         .collect();
+    if spec.policy.pool.is_none() {
+        other_errors.push(format!("spec.pool: {POOL_REQUIRED}"));
+    }
     if let Some(precise) = spec.precise_prefix() {
         let engine_ports: Vec<i32> = spec
             .policy
             .pool
-            .target_ports
             .iter()
+            .flat_map(|pool| &pool.target_ports)
             .map(|p| i32::from(p.number))
             .collect();
         other_errors.extend(precise.errors(&resources::EPP_PORTS, &engine_ports));
@@ -292,8 +298,9 @@ async fn apply_all(
     for tls in &d.backend_tls_policies {
         a.apply(&c.backend_tls_policies, tls, true).await?;
     }
-    a.apply(&c.inference_pools, &d.inference_pool, false)
-        .await?;
+    if let Some(pool) = &d.inference_pool {
+        a.apply(&c.inference_pools, pool, false).await?;
+    }
     if let Some(route) = &d.http_route {
         a.apply(&c.http_routes, route, false).await?;
     }
@@ -407,7 +414,7 @@ mod tests {
     fn compile_prefixes_paths_and_adds_name_errors() {
         assert!(compile("chat", &spec(example_spec())).is_ok());
         let mut policy = example_spec();
-        policy.pool.selector.clear();
+        policy.pool.as_mut().unwrap().selector.clear();
         policy.providers[0].name = "OpenAI".into();
         let errors = compile("chat", &spec(policy)).unwrap_err();
         assert!(errors[0].starts_with("spec.pool.selector: "), "{errors:?}");
@@ -421,6 +428,21 @@ mod tests {
         let errors = compile("Chat", &spec(example_spec())).unwrap_err();
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[0].starts_with("metadata.name: "));
+    }
+
+    /// The policy language takes a rules-only policy (its pool is the one
+    /// it serves); the operator, which writes the pool, needs it declared.
+    #[test]
+    fn a_policy_without_its_pool_is_refused_with_the_reason() {
+        let mut policy = example_spec();
+        policy.pool = None;
+        assert!(kinference_policy::compile(&policy).is_ok());
+        let errors = compile("chat", &spec(policy)).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("spec.pool: required: the operator creates the InferencePool"),
+            "{errors:?}"
+        );
     }
 
     #[test]

@@ -40,7 +40,8 @@ pub use deployment::{
 pub const EPP_PORTS: [i32; 3] = [EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT];
 pub use epp_service::epp_service;
 pub use http_route::http_route;
-pub use inference_pool::{InferencePool, InferencePoolSpec, inference_pool};
+pub use inference_pool::inference_pool;
+pub use kinference_api::{InferencePool, InferencePoolSpec};
 pub use names::{Names, validate_names};
 pub use network_policy::network_policy;
 pub use provider_service::{ProviderEndpoint, provider_service};
@@ -101,7 +102,8 @@ pub struct Desired {
     pub network_policy: Option<NetworkPolicy>,
     pub provider_services: Vec<Service>,
     pub backend_tls_policies: Vec<BackendTlsPolicy>,
-    pub inference_pool: InferencePool,
+    /// None for a rules-only policy: its pool is an existing one.
+    pub inference_pool: Option<InferencePool>,
     /// None when the policy declares no Gateway to attach to: a route without
     /// parentRefs would attach nowhere.
     pub http_route: Option<HttpRoute>,
@@ -144,7 +146,10 @@ pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSet
             .filter(|(_, e)| e.tls)
             .map(|(name, e)| backend_tls_policy(policy, &names, name, e))
             .collect(),
-        inference_pool: inference_pool(policy, &names, compiled),
+        inference_pool: compiled
+            .pool
+            .as_ref()
+            .map(|pool| inference_pool(policy, &names, pool)),
         http_route: (!compiled.route.parent_refs.is_empty())
             .then(|| http_route(policy, &names, compiled, &endpoints)),
     }
@@ -309,7 +314,7 @@ mod tests {
             &d.provider_services[0].metadata,
             &d.provider_services[1].metadata,
             &d.backend_tls_policies[0].metadata,
-            &d.inference_pool.metadata,
+            &d.inference_pool.as_ref().unwrap().metadata,
             &d.http_route.as_ref().unwrap().metadata,
         ];
         for meta in metas {

@@ -104,10 +104,10 @@ pub fn network_policy(
         .precise_prefix()
         .filter(|p| p.epp_listens())
         .and_then(|p| {
+            let declared = compiled.pool.as_ref()?;
             let pool = NetworkPolicyPeer {
                 pod_selector: Some(match_labels(
-                    compiled
-                        .pool
+                    declared
                         .selector
                         .iter()
                         .map(|(k, v)| (k.as_str(), v.as_str())),

@@ -30,7 +30,10 @@ pub const DEFAULT_CLASSIFIER_TIMEOUT: Duration = Duration::from_millis(100);
 /// use [`CompileErrors::prefixed`] to place them under `spec`.
 pub fn compile(spec: &PolicySpec) -> Result<CompiledPolicy, CompileErrors> {
     let mut errors = Errors::default();
-    let pool = compile_pool(&mut errors, &spec.pool);
+    let pool = spec
+        .pool
+        .as_ref()
+        .map(|pool| compile_pool(&mut errors, pool));
     let providers = compile_providers(&mut errors, &spec.providers);
     let classifiers = compile_classifiers(&mut errors, &spec.classifiers);
     let tag_index = TagIndex {
