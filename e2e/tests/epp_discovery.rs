@@ -224,3 +224,109 @@ async fn pod_with_two_target_ports_yields_two_endpoints() -> anyhow::Result<()> 
     discovery.abort();
     Ok(())
 }
+
+/// `kinference-epp --pool-name`: the Pods of an InferencePool the EPP did
+/// not create (the upstream CRD, the object as a user or another chart
+/// wrote it), followed when its selector or target ports change, and none
+/// once it is deleted.
+#[tokio::test]
+async fn an_existing_inference_pool_is_served_and_followed() -> anyhow::Result<()> {
+    use kinference_api::{
+        EndpointPickerRef, InferencePool, InferencePoolSpec, PoolSelector, PortNumber,
+    };
+    use kinference_epp::server::{Epp, Settings};
+    use kube::api::PostParams;
+
+    const NS: &str = "epp-discovery-pool";
+    let cluster = TestCluster::start().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for (name, app, ip) in [("a-0", "a", "10.0.0.30"), ("b-0", "b", "10.0.0.31")] {
+        create_pod(
+            &pods,
+            name,
+            json!({"app": app, "kinference.io/models": "qwen"}),
+        )
+        .await?;
+        set_status(&pods, name, ip, true).await?;
+    }
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), NS);
+    let pool = |app: &str, ports: &[i32]| {
+        InferencePool::new(
+            "vllm",
+            InferencePoolSpec {
+                selector: PoolSelector {
+                    match_labels: BTreeMap::from([("app".to_string(), app.to_string())]),
+                },
+                target_ports: ports.iter().map(|&number| PortNumber { number }).collect(),
+                endpoint_picker_ref: EndpointPickerRef {
+                    name: "vllm-epp".into(),
+                    port: Some(PortNumber { number: 9002 }),
+                    ..EndpointPickerRef::default()
+                },
+            },
+        )
+    };
+    pools
+        .create(&PostParams::default(), &pool("a", &[8000]))
+        .await?;
+
+    let epp = Epp::new(Settings::default());
+    let discovery = tokio::spawn(kinference_epp::k8s::run_inference_pool_discovery(
+        epp.clone(),
+        client.clone(),
+        NS.into(),
+        "vllm".into(),
+    ));
+    let addresses = |epp: &Epp| {
+        let mut a: Vec<String> = epp
+            .registry()
+            .endpoints()
+            .iter()
+            .map(|e| e.address())
+            .collect();
+        a.sort();
+        a
+    };
+    wait_for("the pool's Pod", || addresses(&epp) == ["10.0.0.30:8000"]).await;
+
+    // Another selector: the other Pod.
+    let patch = |spec: serde_json::Value| {
+        let pools = pools.clone();
+        async move {
+            pools
+                .patch(
+                    "vllm",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "spec": spec })),
+                )
+                .await
+        }
+    };
+    patch(json!({"selector": {"matchLabels": {"app": "b"}}})).await?;
+    wait_for("the new selector's Pod", || {
+        addresses(&epp) == ["10.0.0.31:8000"]
+    })
+    .await;
+
+    // Two target ports: a rank each.
+    patch(json!({"targetPorts": [{"number": 8001}, {"number": 8002}]})).await?;
+    wait_for("one endpoint per port", || {
+        addresses(&epp) == ["10.0.0.31:8001", "10.0.0.31:8002"]
+    })
+    .await;
+
+    // Deleted: nothing to route to; created again: served again.
+    pools.delete("vllm", &DeleteParams::default()).await?;
+    wait_for("no endpoints", || addresses(&epp).is_empty()).await;
+    pools
+        .create(&PostParams::default(), &pool("a", &[8000]))
+        .await?;
+    wait_for("the recreated pool's Pod", || {
+        addresses(&epp) == ["10.0.0.30:8000"]
+    })
+    .await;
+    discovery.abort();
+    Ok(())
+}

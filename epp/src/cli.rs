@@ -112,8 +112,22 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub provider_secrets_dir: Option<PathBuf>,
     /// Standalone mode: endpoints from this file instead of Pod discovery.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "pool_name")]
     pub endpoints_file: Option<PathBuf>,
+    /// Serve this existing InferencePool, as the reference EPP's flag of the
+    /// same name: its Pods are those of its selector and target ports,
+    /// followed when they change. Without `--policy-file` or
+    /// `--policy-configmap` the built-in default policy routes
+    /// (`epp/policies/default.yaml`); a given policy's own `pool` is unused.
+    #[arg(long, value_name = "NAME")]
+    pub pool_name: Option<String>,
+    /// The InferencePool's namespace; default: `--namespace`.
+    #[arg(long, value_name = "NAMESPACE", requires = "pool_name")]
+    pub pool_namespace: Option<String>,
+    /// The InferencePool's API group, as the reference EPP takes it: only
+    /// `inference.networking.k8s.io` (v1) is served.
+    #[arg(long, default_value = POOL_GROUP, value_parser = parse_pool_group, requires = "pool_name")]
+    pub pool_group: String,
     /// Larger request bodies are refused with 413.
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -175,6 +189,19 @@ pub struct Args {
     pub text_logs: bool,
 }
 
+/// The Inference Extension's API group, whose v1 InferencePool is served.
+pub const POOL_GROUP: &str = "inference.networking.k8s.io";
+
+fn parse_pool_group(s: &str) -> Result<String, String> {
+    if s == POOL_GROUP {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?}: only InferencePools of {POOL_GROUP} are served (the v1alpha2 group x-k8s.io is not)"
+        ))
+    }
+}
+
 fn parse_share(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
@@ -183,6 +210,13 @@ fn parse_share(s: &str) -> Result<f64, String> {
 }
 
 impl Args {
+    /// The `--pool-name` InferencePool's namespace and name.
+    pub fn inference_pool(&self) -> Option<(String, String)> {
+        let name = self.pool_name.clone()?;
+        let namespace = self.pool_namespace.as_ref().unwrap_or(&self.namespace);
+        Some((namespace.clone(), name))
+    }
+
     /// The log format: `--log-format`, or text with the deprecated
     /// `--text-logs`.
     pub fn log_format(&self) -> LogFormat {
@@ -217,6 +251,45 @@ mod tests {
             (args.grpc_port, args.grpc_health_port, args.metrics_port),
             (9002, 9003, 9090)
         );
+    }
+
+    /// The reference EPP's way to name its pool.
+    #[test]
+    fn an_existing_pool_is_named_as_the_reference_epp_names_it() {
+        let args = parse(&["--pool-name", "vllm", "--namespace", "llm"]).unwrap();
+        assert_eq!(args.inference_pool(), Some(("llm".into(), "vllm".into())));
+        let args = parse(&[
+            "--pool-name",
+            "vllm",
+            "--pool-namespace",
+            "serving",
+            "--pool-group",
+            "inference.networking.k8s.io",
+        ])
+        .unwrap();
+        assert_eq!(
+            args.inference_pool(),
+            Some(("serving".into(), "vllm".into()))
+        );
+        assert_eq!(parse(&[]).unwrap().inference_pool(), None);
+        let old_group = parse(&[
+            "--pool-name",
+            "v",
+            "--pool-group",
+            "inference.networking.x-k8s.io",
+        ]);
+        assert!(
+            old_group
+                .unwrap_err()
+                .to_string()
+                .contains("only InferencePools of")
+        );
+        assert!(
+            parse(&["--pool-namespace", "llm"]).is_err(),
+            "needs --pool-name"
+        );
+        let both = parse(&["--pool-name", "v", "--endpoints-file", "e.yaml"]);
+        assert!(both.is_err(), "a pool or a file, not both");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The EPP's Kubernetes side: its policy ConfigMap, provider Secrets, Pod
-//! discovery for the policy's pool, and reporting what it has loaded in its
+//! discovery for the policy's pool or an existing InferencePool, and reporting what it has loaded in its
 //! policy's EPP status ConfigMap (the operator's Ready and ResolvedRefs
 //! conditions read it).
 
@@ -10,7 +10,7 @@ use std::time::Duration;
 use backon::{BackoffBuilder as _, ExponentialBuilder};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kinference_api::{EppPodStatus, POLICY_KEY, SecretKeyStatus, epp_field_manager};
+use kinference_api::{EppPodStatus, InferencePool, POLICY_KEY, SecretKeyStatus, epp_field_manager};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
@@ -50,36 +50,74 @@ pub async fn watch_policy_configmap(epp: Epp, client: Client, namespace: String,
     }
 }
 
+/// A pool's model-server Pods: their label selector and target ports (in
+/// order: the order names the data-parallel ranks).
+pub type PoolTarget = (BTreeMap<String, String>, Vec<u16>);
+
 /// Runs Pod discovery for the loaded policy's pool, restarting it when the
-/// selector or the list of target ports (any of them, or their order, which
-/// fixes the rank names) changes. Returns when discovery itself stops, so
-/// the supervisor marks the EPP not ready and starts it again: a frozen
-/// endpoint list must not look healthy.
+/// selector or the list of target ports (any of them, or their order) changes.
+/// Returns when discovery itself stops, so the supervisor marks the EPP not
+/// ready and starts it again: a frozen endpoint list must not look healthy.
 pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
-    let mut changes = epp.policy().subscribe();
-    let mut current: Option<(BTreeMap<String, String>, Vec<u16>)> = None;
+    let policy = epp.policy().clone();
+    let targets = tokio_stream::wrappers::WatchStream::new(policy.subscribe()).map(move |_| {
+        policy.current().and_then(|p| {
+            let pool = p.compiled.pool.as_ref()?;
+            (!pool.target_ports.is_empty())
+                .then(|| (pool.selector.clone(), pool.target_ports.clone()))
+        })
+    });
+    follow_pool(epp, client, namespace, targets).await;
+}
+
+/// Runs Pod discovery for an existing InferencePool (`--pool-name`): its
+/// selector and target ports are read from the pool, and followed when they
+/// change. A pool that does not exist, or is deleted, has no endpoints.
+pub async fn run_inference_pool_discovery(
+    epp: Epp,
+    client: Client,
+    namespace: String,
+    name: String,
+) {
+    let api: Api<InferencePool> = Api::namespaced(client.clone(), &namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let (pool_ns, pool_name) = (namespace.clone(), name.clone());
+    let targets = watcher(api, config)
+        .default_backoff()
+        .filter_map(move |event| {
+            let target = match event {
+                Ok(watcher::Event::Apply(pool) | watcher::Event::InitApply(pool)) => {
+                    Some(Some((pool.spec.selector.match_labels.clone(), pool.spec.ports())))
+                }
+                Ok(watcher::Event::Delete(_)) => {
+                    tracing::warn!(namespace = %pool_ns, pool = %pool_name, "the InferencePool was deleted: no endpoints");
+                    Some(None)
+                }
+                Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                Err(error) => {
+                    tracing::warn!(namespace = %pool_ns, pool = %pool_name, %error, "InferencePool watch error");
+                    None
+                }
+            };
+            std::future::ready(target)
+        });
+    follow_pool(epp, client, namespace, targets).await;
+}
+
+/// Keeps one Pod discovery running for the latest target of `targets`,
+/// replacing it when the target changes; with no target, the registry is
+/// emptied. Returns when `targets` or the discovery ends.
+async fn follow_pool(
+    epp: Epp,
+    client: Client,
+    namespace: String,
+    targets: impl futures::Stream<Item = Option<PoolTarget>>,
+) {
+    let mut targets = std::pin::pin!(targets);
+    let mut current: Option<PoolTarget> = None;
     // The discovery task, aborted when replaced or when this returns.
     let mut task: Option<AbortOnDropHandle<()>> = None;
     loop {
-        let wanted = epp.policy().current().and_then(|p| {
-            let pool = &p.compiled.pool;
-            (!pool.target_ports.is_empty())
-                .then(|| (pool.selector.clone(), pool.target_ports.clone()))
-        });
-        if wanted != current {
-            task = wanted.clone().map(|(selector, ports)| {
-                let (client, ns, registry) =
-                    (client.clone(), namespace.clone(), epp.registry().clone());
-                AbortOnDropHandle::new(tokio::spawn(async move {
-                    if let Err(error) =
-                        run_pod_discovery(client, ns, selector, ports, registry).await
-                    {
-                        tracing::error!(%error, "pod discovery stopped");
-                    }
-                }))
-            });
-            current = wanted;
-        }
         let ended = async {
             match task.as_mut() {
                 Some(t) => {
@@ -88,14 +126,29 @@ pub async fn run_discovery(epp: Epp, client: Client, namespace: String) {
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            changed = changes.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-            }
+        let wanted = tokio::select! {
+            next = targets.next() => match next {
+                Some(wanted) => wanted,
+                None => return,
+            },
             () = ended => return,
+        };
+        if wanted == current {
+            continue;
         }
+        if wanted.is_none() {
+            epp.registry().replace_all(Vec::new());
+        }
+        task = wanted.clone().map(|(selector, ports)| {
+            let (client, ns, registry) =
+                (client.clone(), namespace.clone(), epp.registry().clone());
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                if let Err(error) = run_pod_discovery(client, ns, selector, ports, registry).await {
+                    tracing::error!(%error, "pod discovery stopped");
+                }
+            }))
+        });
+        current = wanted;
     }
 }
 

@@ -13,6 +13,7 @@ use kinference_epp::k8s;
 use kinference_epp::kv_events::subscriber::{Replay, Source};
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
+use kinference_epp::policy_store::DEFAULT_POLICY;
 use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, events_ports};
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
@@ -80,6 +81,13 @@ async fn main() -> anyhow::Result<()> {
         epp.registry().replace_all(endpoints);
         epp.registry().mark_synced();
     }
+    let inference_pool = args.inference_pool();
+    if inference_pool.is_some() && args.policy_file.is_none() && args.policy_configmap.is_none() {
+        epp.policy()
+            .load_text(DEFAULT_POLICY)
+            .map_err(|e| anyhow::anyhow!("the built-in default policy: {e}"))?;
+        tracing::info!("serving the built-in default policy");
+    }
     if args.policy_configmap.is_some() || args.endpoints_file.is_none() {
         let client = kube::Client::try_default()
             .await
@@ -91,7 +99,17 @@ async fn main() -> anyhow::Result<()> {
                 k8s::watch_policy_configmap(epp.clone(), client.clone(), ns.clone(), name.clone())
             });
         }
-        if args.endpoints_file.is_none() {
+        if let Some((pool_ns, pool)) = inference_pool {
+            let (epp, client) = (epp.clone(), client.clone());
+            tasks.spawn("discovery", move || {
+                k8s::run_inference_pool_discovery(
+                    epp.clone(),
+                    client.clone(),
+                    pool_ns.clone(),
+                    pool.clone(),
+                )
+            });
+        } else if args.endpoints_file.is_none() {
             let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
             tasks.spawn("discovery", move || {
                 k8s::run_discovery(epp.clone(), client.clone(), ns.clone())

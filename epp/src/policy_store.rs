@@ -8,6 +8,10 @@ use kinference_policy::{CompiledPolicy, PolicySpec, compile};
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 
+/// What `--pool-name` serves when given no policy: a rules-only policy
+/// (the pool is the InferencePool's).
+pub const DEFAULT_POLICY: &str = include_str!("../policies/default.yaml");
+
 /// A compiled policy as the EPP serves it.
 pub struct LoadedPolicy {
     pub compiled: CompiledPolicy,
@@ -136,6 +140,16 @@ mod tests {
     use super::*;
 
     const GOOD: &str = "pool: { selector: { app: x }, targetPorts: [{ number: 8000 }] }\nrules:\n  - name: r\n    route: { select: [{ minimize: QueueDepth }] }\n";
+
+    #[test]
+    fn the_default_policy_is_rules_only_and_minimizes_predicted_ttft() {
+        let store = PolicyStore::default();
+        store.load_text(DEFAULT_POLICY).unwrap();
+        let policy = store.current().unwrap();
+        assert!(policy.compiled.pool.is_none());
+        assert_eq!(policy.compiled.rules.len(), 1);
+        assert!(kinference_policy::lint::warnings(&policy.compiled).is_empty());
+    }
 
     #[test]
     fn keeps_the_last_good_policy_when_a_new_one_fails() {
