@@ -128,6 +128,15 @@ pub struct Args {
     /// `inference.networking.k8s.io` (v1) is served.
     #[arg(long, default_value = POOL_GROUP, value_parser = parse_pool_group, requires = "pool_name")]
     pub pool_group: String,
+    /// After SIGTERM the EPP reports not Ready and keeps serving new streams
+    /// this long, while gateways and the Service's endpoints move to the
+    /// other replicas; then it serves no new stream and finishes the open
+    /// ones within `--drain-timeout`. Both fit the Pod's default 30 s grace.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
+    /// How long open ext_proc streams get to finish after the shutdown delay.
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     /// Larger request bodies are refused with 413.
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,

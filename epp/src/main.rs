@@ -18,9 +18,6 @@ use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, events_port
 use kinference_epp::{policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
-/// How long in-flight ext_proc streams get to finish after SIGTERM.
-const DRAIN: Duration = Duration::from_secs(25);
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -218,12 +215,25 @@ async fn main() -> anyhow::Result<()> {
         _ = shutdown_signal() => None,
         result = &mut servers => Some(result),
     };
+    let failed = match failed {
+        Some(result) => Some(result),
+        None => {
+            tracing::info!(delay = ?args.shutdown_delay, "shutting down: not ready, still serving");
+            tokio::select! {
+                () = epp.leave(args.shutdown_delay) => None,
+                result = &mut servers => Some(result),
+            }
+        }
+    };
     let _ = stop_tx.send(true);
     let (early, result) = match failed {
         Some(result) => (true, Ok(result)),
         None => {
-            tracing::info!("shutting down: finishing in-flight streams");
-            (false, tokio::time::timeout(DRAIN, servers).await)
+            tracing::info!(timeout = ?args.drain_timeout, "shutting down: finishing in-flight streams");
+            (
+                false,
+                tokio::time::timeout(args.drain_timeout, servers).await,
+            )
         }
     };
     tasks.shutdown();

@@ -161,6 +161,16 @@ impl Epp {
         &self.readiness
     }
 
+    /// The first step of a graceful stop (SIGTERM): not Ready at once (gRPC
+    /// `readiness`, `/readyz`), while new streams are still served for
+    /// `delay`, the time gateways and the Service's endpoints take to move
+    /// to the other replicas. Then stop the servers: open streams finish,
+    /// new ones go elsewhere.
+    pub async fn leave(&self, delay: Duration) {
+        self.readiness.set_down("shutdown", "shutting down");
+        tokio::time::sleep(delay).await;
+    }
+
     /// Scrapes every endpoint's metrics until the handle is aborted.
     pub fn spawn_scraper(&self) -> tokio::task::JoinHandle<()> {
         // Attempts and failures by reason reach /metrics.
