@@ -446,6 +446,58 @@ async fn event_reasons(client: &Client, policy: &str) -> Result<Vec<String>> {
 
 // ------------------------------------------------------------------ tests
 
+/// The policy's failure mode reaches the InferencePool as the upstream
+/// schema takes it; a rules-only policy, which the operator cannot make a
+/// pool of, is refused with the reason.
+#[tokio::test]
+async fn failure_mode_reaches_the_pool_and_a_policy_without_a_pool_is_refused() -> Result<()> {
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let rules = json!([{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]);
+    let mut open = policy(
+        "open",
+        json!({"pool": {"selector": {"app": "v"}, "targetPorts": [{"number": 8000}]}, "rules": rules}),
+    )?;
+    open.spec.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+        failure_mode: Some(kinference_api::FailureMode::FailOpen),
+        ..Default::default()
+    });
+    policies.create(&PostParams::default(), &open).await?;
+    wait_condition(&policies, "open", "Accepted", "True").await?;
+    let pool = eventually("the pool", async || {
+        Ok(pools(&client).get("open").await.ok())
+    })
+    .await?;
+    assert_eq!(
+        pool.data["spec"]["endpointPickerRef"]["failureMode"],
+        "FailOpen"
+    );
+
+    policies
+        .create(
+            &PostParams::default(),
+            &policy("rules-only", json!({"rules": rules}))?,
+        )
+        .await?;
+    let (_, accepted) = wait_condition(&policies, "rules-only", "Accepted", "False").await?;
+    assert_eq!(accepted.reason, "InvalidPolicy");
+    assert!(
+        accepted
+            .message
+            .starts_with("spec.pool: required: the operator creates the InferencePool"),
+        "{accepted:?}"
+    );
+    assert!(
+        pools(&client).get("rules-only").await.is_err(),
+        "no pool without one declared"
+    );
+    operator.stop().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn policy_lifecycle() -> Result<()> {
     let cluster = start_cluster().await?;

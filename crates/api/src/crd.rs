@@ -87,6 +87,13 @@ impl InferencePolicySpec {
     pub fn precise_prefix(&self) -> Option<&PrecisePrefixSpec> {
         self.endpoint_picker.as_ref()?.precise_prefix.as_ref()
     }
+
+    pub fn failure_mode(&self) -> FailureMode {
+        self.endpoint_picker
+            .as_ref()
+            .and_then(|e| e.failure_mode)
+            .unwrap_or_default()
+    }
 }
 
 /// Securing the EPP's ports. The ext_proc port (9002) answers provider picks
@@ -106,6 +113,34 @@ pub struct EndpointPickerSpec {
     /// each Pod holds instead of estimating it. Off unless set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precise_prefix: Option<PrecisePrefixSpec>,
+    /// What the gateway does with a request while no EPP replica answers,
+    /// written to the InferencePool's `endpointPickerRef.failureMode`.
+    /// Default `FailClose`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<FailureMode>,
+}
+
+/// The gateway's behaviour without its EPP (the Inference Extension's
+/// `endpointPickerRef.failureMode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum FailureMode {
+    /// The request fails (5xx): no request escapes the policy, e.g. a
+    /// prompt with personal data never reaches a provider.
+    #[default]
+    FailClose,
+    /// The gateway picks a Pod of the pool itself: requests keep being
+    /// served, routed by the gateway's own load balancing, not the policy.
+    FailOpen,
+}
+
+impl FailureMode {
+    /// As the InferencePool spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureMode::FailClose => "FailClose",
+            FailureMode::FailOpen => "FailOpen",
+        }
+    }
 }
 
 /// How the engines' publishers open their socket. `Connect` (the default):

@@ -29,9 +29,10 @@ pub fn inference_pool(policy: &InferencePolicy, names: &Names, declared: &Pool) 
                 port: Some(PortNumber {
                     number: EPP_GRPC_PORT,
                 }),
-                // Without its EPP the gateway must not route around the
-                // policy (e.g. send PII to a provider): fail closed.
-                failure_mode: Some("FailClose".into()),
+                // FailClose unless the policy says otherwise: without its
+                // EPP the gateway must not route around the policy (e.g.
+                // send PII to a provider).
+                failure_mode: Some(policy.spec.failure_mode().as_str().into()),
             },
         },
     );
@@ -51,5 +52,20 @@ mod tests {
             "inference_pool",
             desired(&policy, &compiled, &settings()).inference_pool
         );
+    }
+
+    #[test]
+    fn the_policy_chooses_the_failure_mode() {
+        let (mut policy, compiled) = example();
+        let mode = |policy: &kinference_api::InferencePolicy| {
+            let pool = desired(policy, &compiled, &settings()).inference_pool;
+            pool.unwrap().spec.endpoint_picker_ref.failure_mode
+        };
+        assert_eq!(mode(&policy).as_deref(), Some("FailClose"));
+        policy.spec.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+            failure_mode: Some(kinference_api::FailureMode::FailOpen),
+            ..Default::default()
+        });
+        assert_eq!(mode(&policy).as_deref(), Some("FailOpen"));
     }
 }
