@@ -1005,7 +1005,7 @@ async fn access_allowed(
 }
 
 /// Kinds the operator watches, as (API group, resource).
-const WATCHED: [(&str, &str); 13] = [
+const WATCHED: [(&str, &str); 14] = [
     ("kinference.io", "inferencepolicies"),
     ("", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "roles"),
@@ -1014,6 +1014,7 @@ const WATCHED: [(&str, &str); 13] = [
     ("", "services"),
     ("apps", "deployments"),
     ("networking.k8s.io", "networkpolicies"),
+    ("policy", "poddisruptionbudgets"),
     ("inference.networking.k8s.io", "inferencepools"),
     ("gateway.networking.k8s.io", "httproutes"),
     ("gateway.networking.k8s.io", "backendtlspolicies"),

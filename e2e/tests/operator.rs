@@ -18,8 +18,10 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
     EppPodStatus, InferencePolicy, InferencePolicySpec, POLICY_HASH_KEY, POLICY_KEY, POLICY_LABEL,
@@ -447,10 +449,12 @@ async fn event_reasons(client: &Client, policy: &str) -> Result<Vec<String>> {
 // ------------------------------------------------------------------ tests
 
 /// The policy's failure mode reaches the InferencePool as the upstream
-/// schema takes it; a rules-only policy, which the operator cannot make a
-/// pool of, is refused with the reason.
+/// schema takes it; its replicas reach the Deployment, with a
+/// PodDisruptionBudget beyond one; a rules-only policy, which the operator
+/// cannot make a pool of, is refused with the reason.
 #[tokio::test]
-async fn failure_mode_reaches_the_pool_and_a_policy_without_a_pool_is_refused() -> Result<()> {
+async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_pool_is_refused()
+-> Result<()> {
     let cluster = start_cluster().await?;
     let client = cluster.client();
     create_namespace(&client, NS).await?;
@@ -475,6 +479,35 @@ async fn failure_mode_reaches_the_pool_and_a_policy_without_a_pool_is_refused() 
         pool.data["spec"]["endpointPickerRef"]["failureMode"],
         "FailOpen"
     );
+
+    // Two replicas: a budget lets one go at a time; back to one: none.
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), NS);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let replicas = async |n: i32| {
+        let patch = json!({"spec": {"endpointPicker": {"replicas": n}}});
+        policies
+            .patch("open", &PatchParams::default(), &Patch::Merge(patch))
+            .await
+    };
+    replicas(2).await?;
+    let pdb = eventually("the budget", async || Ok(pdbs.get("open-epp").await.ok())).await?;
+    let spec = pdb.spec.context("budget spec")?;
+    assert_eq!(spec.max_unavailable, Some(IntOrString::Int(1)));
+    let deployment = eventually("two replicas", async || {
+        let d = deployments.get("open-epp").await?;
+        Ok((d.spec.as_ref().and_then(|s| s.replicas) == Some(2)).then_some(d))
+    })
+    .await?;
+    assert!(deployment.metadata.name.is_some());
+    replicas(1).await?;
+    eventually("the budget gone", async || {
+        Ok(pdbs.get("open-epp").await.is_err().then_some(()))
+    })
+    .await?;
+    let deployment = deployments.get("open-epp").await?;
+    assert_eq!(deployment.spec.and_then(|s| s.replicas), Some(1));
+    // The API server refuses what the operator would too.
+    assert!(replicas(0).await.is_err(), "replicas 0 accepted");
 
     policies
         .create(

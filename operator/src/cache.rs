@@ -13,6 +13,7 @@ use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PartialObjectMeta;
@@ -58,6 +59,7 @@ pub struct Caches {
     /// EPP status ConfigMaps, whole: their data is what the Pods report.
     pub epp_reports: Store<ConfigMap>,
     pub network_policies: Store<PartialObjectMeta<NetworkPolicy>>,
+    pub pod_disruption_budgets: Store<PartialObjectMeta<PodDisruptionBudget>>,
     pub services: Store<PartialObjectMeta<Service>>,
     /// Whole: the status says whether the EPP is available.
     pub deployments: Store<Deployment>,
@@ -94,6 +96,7 @@ impl Caches {
                         self.config_maps.wait_until_ready(),
                         self.epp_reports.wait_until_ready(),
                         self.network_policies.wait_until_ready(),
+                        self.pod_disruption_budgets.wait_until_ready(),
                         self.services.wait_until_ready(),
                         self.deployments.wait_until_ready(),
                         self.pods.wait_until_ready(),
@@ -195,6 +198,7 @@ mod tests {
             config_maps: cms.0,
             epp_reports: reports.0,
             network_policies: netpols.0,
+            pod_disruption_budgets: listed().0,
             services: services.0,
             deployments,
             pods: pods.0,

@@ -15,6 +15,7 @@ use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
 use kinference_runtime::watch::{log_outages, watch_backoff};
@@ -348,6 +349,7 @@ struct Watches {
     config_maps: Watched<PartialObjectMeta<ConfigMap>>,
     epp_reports: Watched<ConfigMap>,
     network_policies: Watched<PartialObjectMeta<NetworkPolicy>>,
+    pod_disruption_budgets: Watched<PartialObjectMeta<PodDisruptionBudget>>,
     services: Watched<PartialObjectMeta<Service>>,
     deployments: Watched<Deployment>,
     pods: Watched<PartialObjectMeta<Pod>>,
@@ -377,6 +379,7 @@ impl Watches {
             config_maps: watched(client, ns, &ours.clone().labels(&policy_config_maps)),
             epp_reports: watched(client, ns, &ours.clone().labels(&reports)),
             network_policies: watched(client, ns, &ours),
+            pod_disruption_budgets: watched(client, ns, &ours),
             services: watched(client, ns, &ours),
             deployments: watched(client, ns, &ours),
             pods: watched(client, ns, &ours),
@@ -395,6 +398,7 @@ impl Watches {
             config_maps: self.config_maps.store.clone(),
             epp_reports: self.epp_reports.store.clone(),
             network_policies: self.network_policies.store.clone(),
+            pod_disruption_budgets: self.pod_disruption_budgets.store.clone(),
             services: self.services.store.clone(),
             deployments: self.deployments.store.clone(),
             pods: self.pods.store.clone(),
@@ -420,6 +424,7 @@ impl Watches {
         // A Pod reporting a loaded hash or a provider key.
         let c = c.owns_stream(take(&mut self.epp_reports));
         let c = c.owns_stream(take(&mut self.network_policies));
+        let c = c.owns_stream(take(&mut self.pod_disruption_budgets));
         let c = c.owns_stream(take(&mut self.services));
         // Rollout progress: waiting for the EPP needs no polling.
         let c = c.owns_stream(take(&mut self.deployments));

@@ -88,6 +88,11 @@ impl InferencePolicySpec {
         self.endpoint_picker.as_ref()?.precise_prefix.as_ref()
     }
 
+    /// The replicas the policy asks for, if it does.
+    pub fn epp_replicas(&self) -> Option<i32> {
+        self.endpoint_picker.as_ref()?.replicas
+    }
+
     pub fn failure_mode(&self) -> FailureMode {
         self.endpoint_picker
             .as_ref()
@@ -118,7 +123,16 @@ pub struct EndpointPickerSpec {
     /// Default `FailClose`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<FailureMode>,
+    /// EPP replicas, each deciding on its own (default: the operator's
+    /// `--epp-replicas`, 1 unless set). With more than one, a
+    /// PodDisruptionBudget lets one go at a time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub replicas: Option<i32>,
 }
+
+/// The largest `spec.endpointPicker.replicas`.
+pub const MAX_EPP_REPLICAS: i32 = 100;
 
 /// The gateway's behaviour without its EPP (the Inference Extension's
 /// `endpointPickerRef.failureMode`).

@@ -17,7 +17,7 @@ pub use admission::{
 pub use crd::{
     ClientCaRef, DEFAULT_KV_EVENTS_PORT, EndpointPickerSpec, EppNetworkPolicySpec, FailureMode,
     InferencePolicy, InferencePolicySpec, InferencePolicyStatus, MAX_DATA_PARALLEL_SIZE,
-    PrecisePrefixSpec, PublisherMode, TokenizerSource, crd, crd_yaml,
+    MAX_EPP_REPLICAS, PrecisePrefixSpec, PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use inference_pool::{

@@ -14,6 +14,7 @@ use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
 use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
     CONDITION_READY, InferencePolicy, InferencePolicySpec, InferencePolicyStatus,
@@ -219,6 +220,14 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
     if spec.policy.pool.is_none() {
         other_errors.push(format!("spec.pool: {POOL_REQUIRED}"));
     }
+    if let Some(replicas) = spec.epp_replicas()
+        && !(1..=kinference_api::MAX_EPP_REPLICAS).contains(&replicas)
+    {
+        other_errors.push(format!(
+            "spec.endpointPicker.replicas: {replicas} is not within 1..{}",
+            kinference_api::MAX_EPP_REPLICAS
+        ));
+    }
     if let Some(precise) = spec.precise_prefix() {
         let engine_ports: Vec<i32> = spec
             .policy
@@ -292,6 +301,9 @@ async fn apply_all(
     }
     a.apply(&c.services, &d.epp_service, false).await?;
     a.apply(&c.deployments, &d.deployment, false).await?;
+    if let Some(pdb) = &d.pod_disruption_budget {
+        a.apply(&c.pod_disruption_budgets, pdb, false).await?;
+    }
     for service in &d.provider_services {
         a.apply(&c.services, service, false).await?;
     }
@@ -322,6 +334,14 @@ async fn apply_all(
     // Disabled, or no gateway known any more.
     let nps = keep(d.network_policy.iter().map(|n| n.name_any()).collect());
     prune::<NetworkPolicy>(&a, &c.network_policies, ns, &name, &nps).await?;
+    // Down to one replica: no budget.
+    let pdbs = keep(
+        d.pod_disruption_budget
+            .iter()
+            .map(|p| p.name_any())
+            .collect(),
+    );
+    prune::<PodDisruptionBudget>(&a, &c.pod_disruption_budgets, ns, &name, &pdbs).await?;
     Ok(())
 }
 
@@ -428,6 +448,26 @@ mod tests {
         let errors = compile("Chat", &spec(example_spec())).unwrap_err();
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[0].starts_with("metadata.name: "));
+    }
+
+    #[test]
+    fn epp_replicas_out_of_range_are_refused_with_their_path() {
+        for (replicas, refused) in [(0, true), (1, false), (100, false), (101, true)] {
+            let mut s = spec(example_spec());
+            s.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+                replicas: Some(replicas),
+                ..Default::default()
+            });
+            match compile("chat", &s) {
+                Ok(_) => assert!(!refused, "{replicas} accepted"),
+                Err(errors) => assert_eq!(
+                    errors,
+                    [format!(
+                        "spec.endpointPicker.replicas: {replicas} is not within 1..100"
+                    )]
+                ),
+            }
+        }
     }
 
     /// The policy language takes a rules-only policy (its pool is the one

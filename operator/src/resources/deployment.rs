@@ -15,7 +15,8 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, GRPCAction,
     ImageVolumeSource, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec,
     PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
-    SecretProjection, SecretVolumeSource, SecurityContext, Volume, VolumeMount, VolumeProjection,
+    SecretProjection, SecretVolumeSource, SecurityContext, TopologySpreadConstraint, Volume,
+    VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -295,7 +296,7 @@ pub fn deployment(
     Deployment {
         metadata: object_meta(policy, &epp_name, epp_object_labels(names)),
         spec: Some(DeploymentSpec {
-            replicas: Some(epp.replicas),
+            replicas: Some(epp.replicas_for(policy)),
             selector: LabelSelector {
                 match_labels: Some(epp_selector(names)),
                 ..LabelSelector::default()
@@ -324,12 +325,29 @@ pub fn deployment(
                         ..PodSecurityContext::default()
                     }),
                     volumes: Some(volumes),
+                    topology_spread_constraints: Some(vec![spread_over_nodes(names)]),
                     ..PodSpec::default()
                 }),
             },
             ..DeploymentSpec::default()
         }),
         status: None,
+    }
+}
+
+/// Replicas on different nodes where the scheduler can place them so: one
+/// node lost takes one replica. A preference (`ScheduleAnyway`), so a
+/// one-node cluster still runs them all.
+fn spread_over_nodes(names: &Names) -> TopologySpreadConstraint {
+    TopologySpreadConstraint {
+        max_skew: 1,
+        topology_key: "kubernetes.io/hostname".into(),
+        when_unsatisfiable: "ScheduleAnyway".into(),
+        label_selector: Some(LabelSelector {
+            match_labels: Some(epp_selector(names)),
+            ..LabelSelector::default()
+        }),
+        ..TopologySpreadConstraint::default()
     }
 }
 

@@ -11,6 +11,7 @@ mod http_route;
 mod inference_pool;
 mod names;
 mod network_policy;
+mod pod_disruption_budget;
 mod provider_service;
 mod role;
 mod role_binding;
@@ -23,6 +24,7 @@ use gateway_api::apis::standard::httproutes::HttpRoute;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kinference_api::{InferencePolicy, POLICY_LABEL};
@@ -44,6 +46,7 @@ pub use inference_pool::inference_pool;
 pub use kinference_api::{InferencePool, InferencePoolSpec};
 pub use names::{Names, validate_names};
 pub use network_policy::network_policy;
+pub use pod_disruption_budget::pod_disruption_budget;
 pub use provider_service::{ProviderEndpoint, provider_service};
 pub use role::role;
 pub use role_binding::role_binding;
@@ -82,7 +85,15 @@ const PART_OF: &str = "app.kubernetes.io/part-of";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EppSettings {
     pub image: String,
+    /// EPP replicas of a policy that names none.
     pub replicas: i32,
+}
+
+impl EppSettings {
+    /// The EPP replicas of `policy`: its own number, or the operator's.
+    pub fn replicas_for(&self, policy: &InferencePolicy) -> i32 {
+        policy.spec.epp_replicas().unwrap_or(self.replicas)
+    }
 }
 
 /// Everything one accepted policy turns into. Objects with a variable set of
@@ -98,6 +109,8 @@ pub struct Desired {
     pub epp_status_config_map: ConfigMap,
     pub epp_service: Service,
     pub deployment: Deployment,
+    /// Only with more than one EPP replica.
+    pub pod_disruption_budget: Option<PodDisruptionBudget>,
     /// None when disabled, or when no gateway is known to admit.
     pub network_policy: Option<NetworkPolicy>,
     pub provider_services: Vec<Service>,
@@ -136,6 +149,7 @@ pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSet
         epp_status_config_map: epp_status_config_map(policy, &names),
         epp_service: epp_service(policy, &names),
         deployment: deployment(policy, &names, epp, compiled),
+        pod_disruption_budget: pod_disruption_budget(policy, &names, epp.replicas_for(policy)),
         network_policy: network_policy(policy, &names, compiled),
         provider_services: endpoints
             .iter()
