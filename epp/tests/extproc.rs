@@ -1521,3 +1521,61 @@ fn replica_seeds(epp: &Epp) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// `sessionAffinity` over gRPC: a session (a cookie here) stays on its Pod
+/// though another is idler, until the rule's exclude drops its Pod; it then
+/// moves, and stays on the new one.
+#[tokio::test]
+async fn a_session_stays_on_its_pod_until_the_rule_excludes_it() {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    let addresses = ["10.0.0.1:8000", "10.0.0.2:8000"];
+    let epp = epp_over_pods("route: { select: [{ minimize: QueueDepth }] }", &addresses);
+    epp.policy()
+        .load_text(&format!(
+            "{POOL}sessionAffinity: {{ cookie: sid, ttl: 10m }}
+rules:
+  - name: sticky
+    route:
+      exclude: [{{ drop: {{ QueueDepth: {{ greaterThan: 8 }} }} }}]
+      select: [{{ minimize: QueueDepth }}]
+"
+        ))
+        .unwrap();
+    let set = |waiting: [f64; 2]| {
+        for (ep, waiting) in epp.registry().endpoints().iter().zip(waiting) {
+            let scraped = ScrapedMetrics {
+                waiting,
+                ..ScrapedMetrics::empty(std::time::Instant::now())
+            };
+            epp.registry().set_metrics(&ep.name, scraped);
+        }
+    };
+    let client = serve_without_scraper(&epp).await;
+    let ask = |sid: &str| {
+        HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"))
+            .header("cookie", &format!("theme=dark; sid={sid}"))
+    };
+    set([0.0, 2.0]);
+    assert_eq!(primary_destination(&client, &ask("s1")).await, addresses[0]);
+    set([5.0, 0.0]);
+    assert_eq!(
+        primary_destination(&client, &ask("s1")).await,
+        addresses[0],
+        "kept on its Pod"
+    );
+    assert_eq!(primary_destination(&client, &ask("s2")).await, addresses[1]);
+    set([9.0, 0.0]);
+    assert_eq!(
+        primary_destination(&client, &ask("s1")).await,
+        addresses[1],
+        "its Pod excluded: moved"
+    );
+    set([0.0, 3.0]);
+    assert_eq!(
+        primary_destination(&client, &ask("s1")).await,
+        addresses[1],
+        "kept on the new Pod"
+    );
+    let plain = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
+    assert_eq!(primary_destination(&client, &plain).await, addresses[0]);
+}

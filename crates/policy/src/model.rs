@@ -15,6 +15,8 @@ pub struct CompiledPolicy {
     /// as loaded, and what the operator waits for.
     pub hash: String,
     pub tenant_header: String,
+    /// Sessions kept on their Pod, when the policy asks.
+    pub session_affinity: Option<SessionAffinity>,
     /// The pool the policy declares; `None` for a rules-only policy, whose
     /// pool is the InferencePool it is attached to.
     pub pool: Option<Pool>,
@@ -101,6 +103,21 @@ impl CompiledPolicy {
     pub fn parent_refs(&self) -> &[ParentRef] {
         &self.route.parent_refs
     }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionAffinity {
+    pub key: SessionKey,
+    /// Forgotten this long after its last request.
+    pub ttl: std::time::Duration,
+}
+
+/// Where a request carries its session key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionKey {
+    /// A header, its name lower-cased.
+    Header(String),
+    Cookie(String),
 }
 
 #[derive(Debug, Clone, Default)]

@@ -24,6 +24,11 @@ pub struct PolicySpec {
     /// Default `x-kinference-tenant`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant_header: Option<String>,
+    /// Keeps a session on the Pod its last request went to, while that Pod
+    /// stays among the matching rule's candidates (its consider and
+    /// exclude).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_affinity: Option<SessionAffinitySpec>,
     /// Off-cluster inference providers (OpenAI-compatible APIs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -60,6 +65,22 @@ pub struct PoolSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
+}
+
+/// Where a request's session key is: a header or a cookie (exactly one).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionAffinitySpec {
+    /// Request header carrying the session key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// Cookie carrying the session key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cookie: Option<String>,
+    /// How long a session is remembered after its last request (default
+    /// `10m`, at most `24h`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -660,3 +660,118 @@ fn examples_route_as_documented() {
         "qwen"
     );
 }
+
+/// `sessionAffinity`: a session stays on its Pod while the Pod is among
+/// the rule's candidates after exclude, ahead of a better one; the tiers'
+/// ranking follows as the fallback list; an excluded Pod lets it move.
+#[test]
+fn a_session_stays_on_its_pod_while_the_pod_is_within_the_rules_bounds() {
+    let p = policy(
+        "sessionAffinity: { header: X-Session-Id }
+rules:
+  - name: least-queue
+    route:
+      exclude: [{ drop: { QueueDepth: { greaterThan: 8 } } }]
+      select: [{ minimize: QueueDepth }]
+",
+    );
+    let cands = |busy_a: f64| {
+        [
+            with(local("a", "qwen"), |m| m.queue_depth = Some(busy_a)),
+            with(local("bb", "qwen"), |m| m.queue_depth = Some(0.0)),
+            with(local("ccc", "qwen"), |m| m.queue_depth = Some(1.0)),
+        ]
+    };
+    let mut req = request("qwen");
+    assert_eq!(outcome(&p, &req, &[], &cands(3.0)), "bb", "no session yet");
+    req.session_address = Some("10.0.0.1:8000".into()); // a's
+    let three = cands(3.0);
+    let Decision::Route(kept) = decide(&p, &req, &[], &three) else {
+        panic!("routed")
+    };
+    let ranked: Vec<&str> = kept
+        .ranked
+        .iter()
+        .map(|&i| three[i].endpoint.as_str())
+        .collect();
+    assert_eq!(
+        ranked,
+        ["a", "bb", "ccc"],
+        "a first, then the tier's ranking"
+    );
+    let mut trace = Trace::default();
+    evaluate(
+        &p,
+        &req,
+        &Tags::default(),
+        &cands(3.0),
+        &mut StdRng::seed_from_u64(1),
+        &mut trace,
+    );
+    assert_eq!(
+        trace.rules[0].session.as_deref(),
+        Some("kept on 10.0.0.1:8000, the session's Pod")
+    );
+    // a is excluded (queue over 8): the session moves to the tiers' choice.
+    assert_eq!(outcome(&p, &req, &[], &cands(9.0)), "bb");
+    let mut trace = Trace::default();
+    evaluate(
+        &p,
+        &req,
+        &Tags::default(),
+        &cands(9.0),
+        &mut StdRng::seed_from_u64(1),
+        &mut trace,
+    );
+    assert!(
+        trace.rules[0]
+            .session
+            .as_deref()
+            .unwrap()
+            .starts_with("left 10.0.0.1:8000")
+    );
+    // A session address no candidate has: the tiers decide.
+    req.session_address = Some("10.9.9.9:8000".into());
+    assert_eq!(outcome(&p, &req, &[], &cands(3.0)), "bb");
+}
+
+#[test]
+fn session_affinity_is_checked_with_its_paths() {
+    let errors = |yaml: &str| {
+        let text = format!(
+            "{POOL}{yaml}rules: [{{ name: r, route: {{ select: [{{ minimize: QueueDepth }}] }} }}]\n"
+        );
+        compile_text(&text).map(|_| Vec::new()).unwrap_or_else(|e| {
+            e.iter()
+                .map(|d| format!("{}: {}", d.path, d.message))
+                .collect()
+        })
+    };
+    assert_eq!(
+        errors("sessionAffinity: { cookie: sid, ttl: 30m }\n"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        errors("sessionAffinity: { header: a, cookie: b }\n"),
+        ["sessionAffinity: name either a header or a cookie, not both"]
+    );
+    assert_eq!(
+        errors("sessionAffinity: { ttl: 5m }\n"),
+        [
+            "sessionAffinity: name the header or the cookie that carries the session key, e.g. { header: x-session-id }"
+        ]
+    );
+    assert_eq!(
+        errors("sessionAffinity: { header: a, ttl: 25h }\n"),
+        ["sessionAffinity.ttl: must be more than 0 and at most 24h"]
+    );
+    let p = policy(
+        "sessionAffinity: { header: X-Session-Id }\nrules: [{ name: r, route: { select: [{ minimize: QueueDepth }] } }]\n",
+    );
+    let affinity = p.session_affinity.unwrap();
+    assert_eq!(
+        affinity.key,
+        kinference_policy::model::SessionKey::Header("x-session-id".into())
+    );
+    assert_eq!(affinity.ttl, std::time::Duration::from_secs(600));
+}

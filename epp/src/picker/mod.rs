@@ -6,6 +6,7 @@ mod candidates;
 mod decision_log;
 mod providers;
 mod recent;
+mod sessions;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -85,6 +86,8 @@ pub struct Picker {
     pub seeds: SeedGate,
     /// `--decision-log`, set once at start.
     pub decision_log: std::sync::OnceLock<DecisionLog>,
+    /// `sessionAffinity`: each session's last Pod.
+    sessions: sessions::Sessions,
     /// `--kv-events-port`: the tokenizer of precise prefix mode.
     precise: std::sync::OnceLock<PreciseMode>,
     pub config: PickerConfig,
@@ -190,6 +193,7 @@ impl Picker {
             routes: RoutedPrefixes::with_capacity(POOL_ROUTE_HASHES),
             seeds,
             decision_log: std::sync::OnceLock::new(),
+            sessions: sessions::Sessions::default(),
             precise: std::sync::OnceLock::new(),
             config,
             provider_keys: Default::default(),
@@ -226,7 +230,21 @@ impl Picker {
                 detail: None,
             };
         };
-        let request = self.request_attributes(&policy, incoming);
+        let mut request = self.request_attributes(&policy, incoming);
+        let session = policy
+            .compiled
+            .session_affinity
+            .as_ref()
+            .and_then(|affinity| {
+                let key = self.sessions.key_of(affinity, incoming.headers)?;
+                Some((key, affinity.ttl))
+            });
+        if let Some((key, ttl)) = session {
+            request.session_address = self
+                .sessions
+                .address_of(key, ttl, started)
+                .map(|a| a.to_string());
+        }
         if request.model.is_empty() {
             return Pick::Reject {
                 rule: None,
@@ -263,6 +281,9 @@ impl Picker {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
             local.prefix_hashes = hashes;
+            if let (Some((key, ttl)), Some(address)) = (session, local.addresses.first()) {
+                self.sessions.remember(key, address, ttl, started);
+            }
         }
         if self.config.decision_detail {
             // A second, traced evaluation with the decision's own seed: debug only.
@@ -366,6 +387,7 @@ impl Picker {
             ttft_slo: header(TTFT_SLO_HEADER)
                 .and_then(|v| parse_duration(&v).ok())
                 .map(|d| d.as_secs_f64()),
+            session_address: None,
         }
         .clamped()
     }

@@ -4,6 +4,7 @@
 mod errors;
 mod predicate;
 mod route;
+mod session;
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use errors::Errors;
 pub(crate) use errors::join as errors_join;
 pub use errors::{CompileError, CompileErrors};
 use predicate::{PredicateCompiler, TagIndex};
+pub use session::{DEFAULT_SESSION_TTL, MAX_SESSION_TTL};
 
 use crate::attr::{CLASSIFIER_TYPES, builtin_classifier_tags};
 use crate::duration::parse_duration;
@@ -51,12 +53,17 @@ pub fn compile(spec: &PolicySpec) -> Result<CompiledPolicy, CompileErrors> {
     if tenant_header.is_empty() {
         errors.add("tenantHeader", "must not be empty; omit it for the default");
     }
+    let session_affinity = spec
+        .session_affinity
+        .as_ref()
+        .and_then(|s| session::compile_session_affinity(&mut errors, s));
     if !errors.0.is_empty() {
         return Err(CompileErrors(errors.0));
     }
     Ok(CompiledPolicy {
         hash: policy_hash(spec),
         tenant_header,
+        session_affinity,
         pool,
         route: spec.route.clone().unwrap_or_default(),
         providers,

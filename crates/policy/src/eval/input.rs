@@ -39,6 +39,11 @@ pub struct Request {
         serialize_with = "duration_text"
     )]
     pub ttft_slo: Option<f64>,
+    /// The `ip:port` the request's session last went to (`sessionAffinity`),
+    /// while the session is remembered: the request stays there if that Pod
+    /// is among the matching rule's candidates after exclude.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_address: Option<String>,
 }
 
 /// The value of an attribute, borrowed from the request or candidate.

@@ -188,9 +188,49 @@ fn route<R: Rng + ?Sized, T: Tracer>(
             dropped.is_none()
         });
     }
-    Ok(select::select(
+    let selected = select::select(
         rule_index, route, &survivors, candidates, request, tags, rng, tracer,
+    );
+    Ok(keep_session(
+        rule_index, selected, &survivors, candidates, request, tracer,
     ))
+}
+
+/// A session stays on its Pod while the Pod is among `survivors`: that
+/// Pod wins, and the tiers' ranking follows it as the fallback list.
+/// Otherwise the tiers' choice stands (and the caller remembers it).
+fn keep_session<T: Tracer>(
+    rule: usize,
+    selected: Option<Routed>,
+    survivors: &[usize],
+    candidates: &[Candidate],
+    request: &Request,
+    tracer: &mut T,
+) -> Option<Routed> {
+    let Some(address) = request.session_address.as_deref() else {
+        return selected;
+    };
+    let at_address = |&i: &usize| candidates[i].address.as_deref() == Some(address);
+    // The requested model's candidate there first, if the rule offers two.
+    let pinned = survivors
+        .iter()
+        .copied()
+        .filter(at_address)
+        .min_by_key(|&i| candidates[i].model != request.model);
+    let Some(pinned) = pinned else {
+        tracer.session(address, false);
+        return selected;
+    };
+    tracer.session(address, true);
+    let rest = selected.map(|r| r.ranked).unwrap_or_default();
+    let ranked = std::iter::once(pinned)
+        .chain(rest.into_iter().filter(|&i| i != pinned))
+        .collect();
+    Some(Routed {
+        rule,
+        winner: pinned,
+        ranked,
+    })
 }
 
 fn considers(entry: &Consider, c: &Candidate, request: &Request) -> bool {

@@ -34,6 +34,9 @@ pub trait Tracer {
     ) {
     }
     fn fell_through(&mut self, _index: usize) {}
+    /// The session's Pod at `address` was kept (among the survivors), or
+    /// left (not among them).
+    fn session(&mut self, _address: &str, _kept: bool) {}
 }
 
 /// Tracing off.
@@ -92,6 +95,9 @@ pub struct RuleTrace {
     pub dropped: Vec<CandidateDrop>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<TierTrace>,
+    /// `sessionAffinity`: whether the session stayed on its Pod.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     pub fell_through: bool,
 }
 
@@ -243,6 +249,14 @@ impl Tracer for Trace {
 
     fn fell_through(&mut self, _index: usize) {
         self.current().fell_through = true;
+    }
+
+    fn session(&mut self, address: &str, kept: bool) {
+        self.current().session = Some(if kept {
+            format!("kept on {address}, the session's Pod")
+        } else {
+            format!("left {address}, the session's Pod: not among the candidates after exclude")
+        });
     }
 }
 
