@@ -147,7 +147,13 @@ mod tests {
         store.load_text(DEFAULT_POLICY).unwrap();
         let policy = store.current().unwrap();
         assert!(policy.compiled.pool.is_none());
-        assert_eq!(policy.compiled.rules.len(), 1);
+        let rules: Vec<&str> = policy
+            .compiled
+            .rules
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect();
+        assert_eq!(rules, ["adapter", "default"]);
         assert!(kinference_policy::lint::warnings(&policy.compiled).is_empty());
     }
 

@@ -1579,3 +1579,69 @@ rules:
     let plain = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
     assert_eq!(primary_destination(&client, &plain).await, addresses[0]);
 }
+
+/// LoRA affinity with the built-in default policy: a request naming an
+/// adapter goes to a Pod that has it loaded, never to one that would have
+/// to evict an adapter in use (`max_lora` reached), and to a Pod with a
+/// free slot when the loaded one's KV cache is full; a base-model request
+/// is routed as usual.
+#[tokio::test]
+async fn a_lora_request_goes_where_its_adapter_is_loaded_and_evicts_none_in_use() {
+    use kinference_epp::endpoints::ScrapedMetrics;
+    let addresses = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    let epp = Epp::new(Settings {
+        scrape_interval: Duration::from_secs(60),
+        ..Settings::default()
+    });
+    epp.policy()
+        .load_text(kinference_epp::policy_store::DEFAULT_POLICY)
+        .unwrap();
+    let specs = addresses
+        .iter()
+        .map(|a| EndpointSpec::new(a.to_string(), &["qwen", "sql-lora"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    epp.registry().mark_synced();
+    let set = |kv_of_the_loaded: f64| {
+        let loras = |running: &[&str]| running.iter().map(|a| a.to_string()).collect();
+        let pods = [
+            (3.0, kv_of_the_loaded, loras(&["sql-lora"])),
+            (0.0, 0.1, loras(&["tweet-lora", "news-lora"])),
+            (1.0, 0.1, loras(&[])),
+        ];
+        for (ep, (waiting, kv, running)) in epp.registry().endpoints().iter().zip(pods) {
+            let scraped = ScrapedMetrics {
+                waiting,
+                kv_cache_usage: kv,
+                running_loras: running,
+                max_lora: Some(2),
+                ..ScrapedMetrics::empty(std::time::Instant::now())
+            };
+            epp.registry().set_metrics(&ep.name, scraped);
+        }
+    };
+    let client = serve_without_scraper(&epp).await;
+    let ask = |model: &str| HttpRequest::post("/v1/chat/completions", chat(model, "hi"));
+    set(0.2);
+    let (outcome, _) = client.decide(&ask("sql-lora")).await.unwrap();
+    assert_eq!(outcome.set_headers["x-kinference-rule"], "adapter");
+    assert_eq!(
+        outcome.destination().unwrap().split(',').next(),
+        Some(addresses[0])
+    );
+    // The loaded Pod's KV cache full: the Pod with a free slot, never the
+    // one whose two slots are in use by other adapters.
+    set(0.97);
+    assert_eq!(
+        primary_destination(&client, &ask("sql-lora")).await,
+        addresses[2]
+    );
+    // The base model: the shortest predicted TTFT, adapters aside.
+    set(0.2);
+    let (outcome, _) = client.decide(&ask("qwen")).await.unwrap();
+    assert_eq!(outcome.set_headers["x-kinference-rule"], "default");
+    assert_eq!(
+        outcome.destination().unwrap().split(',').next(),
+        Some(addresses[1])
+    );
+}

@@ -138,6 +138,8 @@ pub enum Metric {
     ErrorRate,
     Cost,
     ContextWindow,
+    LoraLoaded,
+    LoraSlotsFree,
 }
 
 impl Metric {
@@ -161,10 +163,11 @@ pub const OBJECTIVES: &[&str] = &[
     "CachedPrefixTokens",
     "Cost",
     "ErrorRate",
+    "loraLoaded",
 ];
 
 impl Metric {
-    pub const ALL: [Metric; 9] = [
+    pub const ALL: [Metric; 11] = [
         Metric::QueueDepth,
         Metric::RunningRequests,
         Metric::KvCacheUtilization,
@@ -174,6 +177,8 @@ impl Metric {
         Metric::ErrorRate,
         Metric::Cost,
         Metric::ContextWindow,
+        Metric::LoraLoaded,
+        Metric::LoraSlotsFree,
     ];
 
     pub fn name(self) -> &'static str {
@@ -187,6 +192,8 @@ impl Metric {
             Metric::ErrorRate => "ErrorRate",
             Metric::Cost => "Cost",
             Metric::ContextWindow => "contextWindow",
+            Metric::LoraLoaded => "loraLoaded",
+            Metric::LoraSlotsFree => "loraSlotsFree",
         }
     }
 
@@ -194,9 +201,10 @@ impl Metric {
         Metric::ALL.into_iter().find(|m| m.name() == name)
     }
 
-    /// Objectives exclude `contextWindow`: ranking by it is not meaningful.
+    /// Objectives exclude `contextWindow` and `loraSlotsFree`: ranking by
+    /// them is not meaningful.
     pub fn parse_objective(name: &str) -> Option<Self> {
-        Metric::parse(name).filter(|m| *m != Metric::ContextWindow)
+        Metric::parse(name).filter(|m| !matches!(m, Metric::ContextWindow | Metric::LoraSlotsFree))
     }
 
     pub fn ty(self) -> AttrType {
@@ -212,7 +220,9 @@ impl Metric {
             Metric::QueueDepth
             | Metric::KvCacheUtilization
             | Metric::CachedPrefixTokens
-            | Metric::PredictedTtft => ty == CandidateType::Local,
+            | Metric::PredictedTtft
+            | Metric::LoraLoaded
+            | Metric::LoraSlotsFree => ty == CandidateType::Local,
             Metric::RunningRequests
             | Metric::ObservedTtft
             | Metric::ErrorRate
@@ -254,6 +264,8 @@ pub const CANDIDATE_ATTRIBUTES: &[&str] = &[
     "ErrorRate",
     "Cost",
     "contextWindow",
+    "loraLoaded",
+    "loraSlotsFree",
 ];
 
 impl CandidateAttr {

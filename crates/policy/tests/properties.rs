@@ -121,7 +121,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
     (
         any::<bool>(),
         proptest::sample::select(&["m", "n", "qwen-2.5"][..]),
-        proptest::collection::vec(metric(), 9),
+        proptest::collection::vec(metric(), 11),
         proptest::option::of(proptest::sample::select(&["p", "gold", "vllm"][..])),
     )
         .prop_map(|(local, model, m, name)| Candidate {
@@ -144,6 +144,8 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 error_rate: m[6],
                 cost: m[7],
                 context_window: m[8],
+                lora_loaded: m[9],
+                lora_slots_free: m[10],
             },
             ..Candidate::default()
         })

@@ -176,6 +176,11 @@ impl CandidateSet {
                 .map(|f| picker.ttft.predict(&state.ttft, f));
             for model in &ep.models {
                 let info = compiled.local_model(model);
+                let lora = request
+                    .lora
+                    .as_deref()
+                    .filter(|adapter| adapter == model)
+                    .and_then(|adapter| Some(LoraRoom::of(view.metrics.as_ref()?, adapter)));
                 set.candidates.push(Candidate {
                     kind: CandidateType::Local,
                     model: model.clone(),
@@ -202,6 +207,8 @@ impl CandidateSet {
                             .and_then(|i| i.price)
                             .map(|p| p.cost(prompt, cached, output)),
                         context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
+                        lora_loaded: lora.map(|l| f64::from(u8::from(l.loaded))),
+                        lora_slots_free: lora.and_then(|l| l.slots_free),
                     },
                     cached_prefix_source: Some(source),
                 });
@@ -690,7 +697,7 @@ fn precise_cached_tokens(
 /// (`vllm:lora_requests_info`). The engines root an adapter's blocks at its
 /// name, so its prompt must be matched in that chain, and never in the base
 /// model's (whose cached prefix the adapter cannot use).
-fn lora_adapter<'a>(
+pub(super) fn lora_adapter<'a>(
     model: &'a str,
     mut pods: impl Iterator<Item = &'a EndpointView>,
 ) -> Option<&'a str> {
@@ -703,6 +710,35 @@ fn lora_adapter<'a>(
                 .is_some_and(|m| named(&m.running_loras) || named(&m.waiting_loras))
     })
     .then_some(model)
+}
+
+/// A Pod's room for a LoRA adapter, from its `vllm:lora_requests_info`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct LoraRoom {
+    /// Running or waiting there: loaded.
+    loaded: bool,
+    /// `max_lora` minus the adapters running or waiting; `None` without
+    /// `max_lora`.
+    slots_free: Option<f64>,
+}
+
+impl LoraRoom {
+    fn of(metrics: &crate::endpoints::ScrapedMetrics, adapter: &str) -> LoraRoom {
+        let mut in_use: Vec<&str> = metrics
+            .running_loras
+            .iter()
+            .chain(&metrics.waiting_loras)
+            .map(String::as_str)
+            .collect();
+        in_use.sort_unstable();
+        in_use.dedup();
+        LoraRoom {
+            loaded: in_use.contains(&adapter),
+            slots_free: metrics
+                .max_lora
+                .map(|max| (f64::from(max) - in_use.len() as f64).max(0.0)),
+        }
+    }
 }
 
 /// The subset hint names `ip:port`; a bare IP (the conformance test header)

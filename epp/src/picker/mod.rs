@@ -239,6 +239,9 @@ impl Picker {
                 let key = self.sessions.key_of(affinity, incoming.headers)?;
                 Some((key, affinity.ttl))
             });
+        // A model some Pod runs as an adapter is a LoRA request.
+        request.lora = candidates::lora_adapter(&request.model, self.registry.snapshot().iter())
+            .map(str::to_string);
         if let Some((key, ttl)) = session {
             request.session_address = self
                 .sessions

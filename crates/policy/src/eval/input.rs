@@ -236,6 +236,22 @@ pub struct Metrics {
         skip_serializing_if = "Option::is_none"
     )]
     pub context_window: Option<f64>,
+    /// A LoRA request's candidate: 1 when its Pod has the adapter loaded
+    /// (running or waiting in `vllm:lora_requests_info`), else 0.
+    #[serde(
+        rename = "loraLoaded",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lora_loaded: Option<f64>,
+    /// A LoRA request's candidate: adapters its Pod can still load without
+    /// evicting one in use (`max_lora` minus those running or waiting).
+    #[serde(
+        rename = "loraSlotsFree",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lora_slots_free: Option<f64>,
 }
 
 impl Metrics {
@@ -250,6 +266,8 @@ impl Metrics {
             Metric::ErrorRate => self.error_rate,
             Metric::Cost => self.cost,
             Metric::ContextWindow => self.context_window,
+            Metric::LoraLoaded => self.lora_loaded,
+            Metric::LoraSlotsFree => self.lora_slots_free,
         }
         .filter(|v| !v.is_nan())
     }
@@ -351,6 +369,8 @@ pub const CANDIDATE_FIELDS: &[&str] = &[
     "ErrorRate",
     "Cost",
     "contextWindow",
+    "loraLoaded",
+    "loraSlotsFree",
     "cachedPrefixSource",
 ];
 
