@@ -121,6 +121,12 @@ pub struct Args {
     /// (`epp/policies/default.yaml`); a given policy's own `pool` is unused.
     #[arg(long, value_name = "NAME")]
     pub pool_name: Option<String>,
+    /// The `name` label of the Inference Extension's pool-level series
+    /// (`inference_pool_average_kv_cache_utilization`, ...), which an
+    /// existing dashboard reads; default: `--pool-name`. Without either,
+    /// those series are not exported.
+    #[arg(long, value_name = "NAME")]
+    pub metrics_pool_name: Option<String>,
     /// The InferencePool's namespace; default: `--namespace`.
     #[arg(long, value_name = "NAMESPACE", requires = "pool_name")]
     pub pool_namespace: Option<String>,

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod picker;
 pub mod policy_file;
 pub mod policy_store;
+pub mod pool_metrics;
 pub mod predict;
 pub mod provider_keys;
 pub mod server;

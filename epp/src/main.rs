@@ -79,6 +79,9 @@ async fn main() -> anyhow::Result<()> {
         epp.registry().mark_synced();
     }
     let inference_pool = args.inference_pool();
+    if let Some(name) = args.metrics_pool_name.as_ref().or(args.pool_name.as_ref()) {
+        epp.picker.metrics.pool.set_pool_name(name);
+    }
     if inference_pool.is_some() && args.policy_file.is_none() && args.policy_configmap.is_none() {
         epp.policy()
             .load_text(DEFAULT_POLICY)

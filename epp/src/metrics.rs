@@ -49,6 +49,8 @@ pub struct Metrics {
     cached_prefix_error: Family<Labels, Histogram>,
     fallback_answers: Counter,
     scrape: Arc<ScrapeStats>,
+    /// The Inference Extension's `inference_pool_*` series.
+    pub pool: crate::pool_metrics::PoolMetrics,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
@@ -207,6 +209,7 @@ impl Default for Metrics {
             cached_prefix_error,
             fallback_answers,
             scrape,
+            pool: Default::default(),
         }
     }
 }
@@ -401,6 +404,12 @@ impl Metrics {
         let mut out = String::new();
         let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         encode(&mut out, &registry).expect("encoding to a String cannot fail");
+        let pool = self.pool.render(&endpoints.snapshot());
+        if !pool.is_empty() {
+            // One exposition: a single `# EOF`, the pool's, at the end.
+            out.truncate(out.trim_end_matches("# EOF\n").len());
+            out.push_str(&pool);
+        }
         out
     }
 }

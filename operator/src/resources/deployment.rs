@@ -147,6 +147,8 @@ pub fn deployment(
         format!("--status-configmap={}", names.epp_status()),
         // Always files, never the API: the EPP's Role grants no Secrets.
         format!("--provider-secrets-dir={PROVIDER_SECRETS_DIR}"),
+        // The Inference Extension's `inference_pool_*` series name the pool.
+        format!("--metrics-pool-name={}", names.pool()),
     ];
     // The root filesystem is read-only; /tmp is the one writable place
     // (e.g. for a generated self-signed certificate).
