@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
-    CONDITION_ACCEPTED, CONDITION_READY, CONDITION_RESOLVED_REFS, InferencePolicyStatus,
+    CONDITION_ACCEPTED, CONDITION_READY, CONDITION_RECONCILING, CONDITION_RESOLVED_REFS,
+    CONDITION_STALLED, InferencePolicyStatus,
 };
 
 pub const REASON_ACCEPTED: &str = "Accepted";
@@ -244,11 +245,14 @@ pub fn compute(
         }
     };
 
+    let (stalled, reconciling) = progress(&ready);
     let known = |(ok, reason, message): (bool, &'static str, String)| (Some(ok), reason, message);
     let conditions = [
         (CONDITION_ACCEPTED, known(accepted)),
         (CONDITION_RESOLVED_REFS, resolved),
         (CONDITION_READY, known(ready)),
+        (CONDITION_RECONCILING, known(reconciling)),
+        (CONDITION_STALLED, known(stalled)),
     ]
     .into_iter()
     .map(|(type_, (ok, reason, message))| {
@@ -281,6 +285,21 @@ pub fn compute(
         rules,
         policy_hash,
     }
+}
+
+/// kstatus's `Stalled` and `Reconciling` from `Ready`: stalled while the
+/// policy must change first (invalid, or a generated name someone else
+/// holds), reconciling while the work goes on (the EPP rolling out or
+/// loading the policy, an apply to retry); neither once ready. Flux and
+/// Argo CD read them: invalid → Failed, under way → InProgress, ready →
+/// Current.
+type Verdict = (bool, &'static str, String);
+fn progress(ready: &Verdict) -> (Verdict, Verdict) {
+    let (ok, reason, message) = ready;
+    let stalls = matches!(*reason, REASON_INVALID_POLICY | REASON_CONFLICT);
+    let stalled = (!ok && stalls, *reason, message.clone());
+    let reconciling = (!ok && !stalls, *reason, message.clone());
+    (stalled, reconciling)
 }
 
 pub fn condition<'a>(
@@ -484,8 +503,20 @@ mod tests {
         assert_eq!(s.rules, Some(2));
         assert_eq!(s.policy_hash.as_deref(), Some(HASH));
         let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
-        assert_eq!(types, ["Accepted", "ResolvedRefs", "Ready"]);
-        for c in &s.conditions {
+        assert_eq!(
+            types,
+            [
+                "Accepted",
+                "ResolvedRefs",
+                "Ready",
+                "Reconciling",
+                "Stalled"
+            ]
+        );
+        for c in &s.conditions[3..] {
+            assert_eq!(c.status, "False", "{c:?}");
+        }
+        for c in &s.conditions[..3] {
             assert_eq!(
                 (c.status.as_str(), c.observed_generation),
                 ("True", Some(4)),
@@ -502,6 +533,44 @@ mod tests {
             "EPP chat-epp serves policy 0123456789ab"
         );
         assert_eq!(cond(&s, "Ready").last_transition_time, Time(t(0)));
+    }
+
+    /// kstatus's reading: Stalled (Failed) for what needs a change to the
+    /// policy, Reconciling (InProgress) while the work goes on, neither
+    /// once Ready (Current).
+    #[test]
+    fn stalled_and_reconciling_follow_kstatus() {
+        let state = |s: &InferencePolicyStatus| {
+            (
+                cond(s, "Reconciling").status.clone(),
+                cond(s, "Stalled").status.clone(),
+                cond(s, "Ready").reason.clone(),
+            )
+        };
+        let row =
+            |r: &str, s: &str, reason: &str| (r.to_string(), s.to_string(), reason.to_string());
+        let ready = compute(None, &obs(accepted(), 1, &[HASH]), t(0));
+        assert_eq!(state(&ready), row("False", "False", "Ready"));
+        let rolling = compute(None, &obs(accepted(), 0, &[]), t(0));
+        assert_eq!(state(&rolling), row("True", "False", "EppUnavailable"));
+        let loading = compute(None, &obs(accepted(), 1, &[OLD]), t(0));
+        assert_eq!(state(&loading), row("True", "False", "PolicyNotLoaded"));
+        let invalid = Acceptance::Rejected {
+            errors: vec!["rules[0].route.select: select is required".into()],
+        };
+        let stalled = compute(None, &obs(invalid, 1, &[HASH]), t(0));
+        assert_eq!(state(&stalled), row("False", "True", "InvalidPolicy"));
+        let mut taken = obs(accepted(), 1, &[HASH]);
+        taken.apply_failure = Some((REASON_CONFLICT, "HTTPRoute team-a/chat exists".into()));
+        assert_eq!(
+            state(&compute(None, &taken, t(0))),
+            row("False", "True", "Conflict")
+        );
+        let mut retried = obs(accepted(), 1, &[HASH]);
+        retried.apply_failure = Some((REASON_APPLY_FAILED, "timeout".into()));
+        let retrying = compute(None, &retried, t(0));
+        assert_eq!(state(&retrying), row("True", "False", "ApplyFailed"));
+        assert_eq!(cond(&retrying, "Reconciling").message, "timeout");
     }
 
     #[test]

@@ -15,3 +15,8 @@ pub const DESTINATION_HEADER: &str = "x-kinference-destination";
 pub const CONDITION_ACCEPTED: &str = "Accepted";
 pub const CONDITION_RESOLVED_REFS: &str = "ResolvedRefs";
 pub const CONDITION_READY: &str = "Ready";
+/// kstatus's abnormal-true conditions: work is under way (the EPP rolling
+/// out or loading the policy), or cannot go on without a change to the
+/// policy (invalid, or a name taken by another object).
+pub const CONDITION_RECONCILING: &str = "Reconciling";
+pub const CONDITION_STALLED: &str = "Stalled";
