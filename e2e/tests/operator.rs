@@ -448,6 +448,54 @@ async fn event_reasons(client: &Client, policy: &str) -> Result<Vec<String>> {
 
 // ------------------------------------------------------------------ tests
 
+/// What Flux's health checks compute, by cli-utils' own kstatus (v0.37.2,
+/// built from the Go module proxy): a policy that must change is Failed,
+/// one whose EPP does not serve it yet InProgress, a served one Current.
+#[tokio::test]
+async fn kstatus_reads_an_invalid_policy_as_failed_a_pending_one_in_progress_and_a_served_one_current()
+-> Result<()> {
+    let kstatus = kinference_e2e::kstatus::ensure()?;
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let rules = json!([{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]);
+    let verdict = async |name: &str| {
+        let policy = policies.get(name).await?;
+        kinference_e2e::kstatus::compute(&kstatus, &policy)
+    };
+
+    // Without a pool the operator cannot make one: the policy must change.
+    policies
+        .create(
+            &PostParams::default(),
+            &policy("bad", json!({"rules": rules}))?,
+        )
+        .await?;
+    wait_condition(&policies, "bad", "Accepted", "False").await?;
+    let (status, message) = verdict("bad").await?;
+    assert_eq!(status, "Failed", "{message}");
+    assert!(message.starts_with("spec.pool: required"), "{message}");
+
+    let spec = json!({"pool": {"selector": {"app": "v"}, "targetPorts": [{"number": 8000}]}, "rules": rules});
+    policies
+        .create(&PostParams::default(), &policy("good", spec.clone())?)
+        .await?;
+    wait_condition(&policies, "good", "Accepted", "True").await?;
+    let (status, message) = verdict("good").await?;
+    assert_eq!(status, "InProgress", "no EPP yet: {message}");
+
+    make_epp_available(&client, "good").await?;
+    create_epp_pod(&client, "good").await?;
+    report(&client, "good", &epp_pod("good"), &hash_of(&spec)?, &[]).await?;
+    wait_condition(&policies, "good", "Ready", "True").await?;
+    let (status, message) = verdict("good").await?;
+    assert_eq!(status, "Current", "{message}");
+    operator.stop().await?;
+    Ok(())
+}
+
 /// The policy's failure mode reaches the InferencePool as the upstream
 /// schema takes it; its replicas reach the Deployment, with a
 /// PodDisruptionBudget beyond one; a rules-only policy, which the operator

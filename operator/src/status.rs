@@ -245,7 +245,7 @@ pub fn compute(
         }
     };
 
-    let (stalled, reconciling) = progress(&ready);
+    let (stalled, reconciling) = progress(&accepted, &ready);
     let known = |(ok, reason, message): (bool, &'static str, String)| (Some(ok), reason, message);
     let conditions = [
         (CONDITION_ACCEPTED, known(accepted)),
@@ -292,12 +292,13 @@ pub fn compute(
 /// holds), reconciling while the work goes on (the EPP rolling out or
 /// loading the policy, an apply to retry); neither once ready. Flux and
 /// Argo CD read them: invalid → Failed, under way → InProgress, ready →
-/// Current.
+/// Current. An invalid policy's `Stalled` says its errors, as `Accepted`.
 type Verdict = (bool, &'static str, String);
-fn progress(ready: &Verdict) -> (Verdict, Verdict) {
+fn progress(accepted: &Verdict, ready: &Verdict) -> (Verdict, Verdict) {
     let (ok, reason, message) = ready;
     let stalls = matches!(*reason, REASON_INVALID_POLICY | REASON_CONFLICT);
-    let stalled = (!ok && stalls, *reason, message.clone());
+    let why = if accepted.0 { message } else { &accepted.2 };
+    let stalled = (!ok && stalls, *reason, why.clone());
     let reconciling = (!ok && !stalls, *reason, message.clone());
     (stalled, reconciling)
 }
@@ -560,6 +561,10 @@ mod tests {
         };
         let stalled = compute(None, &obs(invalid, 1, &[HASH]), t(0));
         assert_eq!(state(&stalled), row("False", "True", "InvalidPolicy"));
+        assert_eq!(
+            cond(&stalled, "Stalled").message,
+            "rules[0].route.select: select is required"
+        );
         let mut taken = obs(accepted(), 1, &[HASH]);
         taken.apply_failure = Some((REASON_CONFLICT, "HTTPRoute team-a/chat exists".into()));
         assert_eq!(
