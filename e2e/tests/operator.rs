@@ -515,6 +515,9 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
     )?;
     open.spec.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
         failure_mode: Some(kinference_api::FailureMode::FailOpen),
+        node_selector: Some([("pool".to_string(), "cpu".to_string())].into()),
+        priority_class_name: Some("system-cluster-critical".into()),
+        scrape_interval: Some("250ms".into()),
         ..Default::default()
     });
     policies.create(&PostParams::default(), &open).await?;
@@ -526,6 +529,31 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
     assert_eq!(
         pool.data["spec"]["endpointPickerRef"]["failureMode"],
         "FailOpen"
+    );
+
+    // The tuning reaches the Pod template, as the API server stores it.
+    let deployment = eventually("the EPP", async || {
+        Ok(Api::<Deployment>::namespaced(client.clone(), NS)
+            .get("open-epp")
+            .await
+            .ok())
+    })
+    .await?;
+    let pod = deployment
+        .spec
+        .context("spec")?
+        .template
+        .spec
+        .context("pod")?;
+    assert_eq!(pod.node_selector.context("nodeSelector")?["pool"], "cpu");
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-cluster-critical")
+    );
+    let args = pod.containers[0].args.clone().unwrap_or_default();
+    assert!(
+        args.contains(&"--scrape-interval-ms=250".to_string()),
+        "{args:?}"
     );
 
     // Two replicas: a budget lets one go at a time; back to one: none.

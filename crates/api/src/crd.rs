@@ -1,5 +1,8 @@
 use std::ops::RangeInclusive;
 
+use k8s_openapi::api::core::v1::{
+    Affinity, ResourceRequirements, Toleration, TopologySpreadConstraint,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -88,6 +91,11 @@ impl InferencePolicySpec {
         self.endpoint_picker.as_ref()?.precise_prefix.as_ref()
     }
 
+    /// The policy's own EPP settings, if it has any.
+    pub fn endpoint_picker(&self) -> Option<&EndpointPickerSpec> {
+        self.endpoint_picker.as_ref()
+    }
+
     /// The replicas the policy asks for, if it does.
     pub fn epp_replicas(&self) -> Option<i32> {
         self.endpoint_picker.as_ref()?.replicas
@@ -129,6 +137,37 @@ pub struct EndpointPickerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 100))]
     pub replicas: Option<i32>,
+    /// The EPP container's resources, in place of the default (requests
+    /// 250m CPU and 256Mi memory, a 1Gi memory limit, no CPU limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Scheduling of the EPP Pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<std::collections::BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// In place of the default: one replica per node where possible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology_spread_constraints: Option<Vec<TopologySpreadConstraint>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// The EPP's log format: `json` (the default) or `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_format: Option<EppLogFormat>,
+    /// How often the EPP scrapes each model server's metrics (default
+    /// `50ms`; from `10ms` to `60s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scrape_interval: Option<String>,
+}
+
+/// The EPP's log format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EppLogFormat {
+    Json,
+    Text,
 }
 
 /// The largest `spec.endpointPicker.replicas`.

@@ -220,6 +220,15 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
     if spec.policy.pool.is_none() {
         other_errors.push(format!("spec.pool: {POOL_REQUIRED}"));
     }
+    if let Some(interval) = spec
+        .endpoint_picker()
+        .and_then(|e| e.scrape_interval.as_deref())
+        && resources::scrape_interval_ms(interval).is_none()
+    {
+        other_errors.push(format!(
+            "spec.endpointPicker.scrapeInterval: {interval:?} is not a duration from 10ms to 60s"
+        ));
+    }
     if let Some(replicas) = spec.epp_replicas()
         && !(1..=kinference_api::MAX_EPP_REPLICAS).contains(&replicas)
     {
@@ -448,6 +457,32 @@ mod tests {
         let errors = compile("Chat", &spec(example_spec())).unwrap_err();
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[0].starts_with("metadata.name: "));
+    }
+
+    #[test]
+    fn a_scrape_interval_out_of_range_is_refused_with_its_path() {
+        for (interval, refused) in [
+            ("5ms", true),
+            ("10ms", false),
+            ("60s", false),
+            ("2m", true),
+            ("often", true),
+        ] {
+            let mut s = spec(example_spec());
+            s.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+                scrape_interval: Some(interval.into()),
+                ..Default::default()
+            });
+            match compile("chat", &s) {
+                Ok(_) => assert!(!refused, "{interval} accepted"),
+                Err(errors) => assert_eq!(
+                    errors,
+                    [format!(
+                        "spec.endpointPicker.scrapeInterval: {interval:?} is not a duration from 10ms to 60s"
+                    )]
+                ),
+            }
+        }
     }
 
     #[test]

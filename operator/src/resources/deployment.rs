@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
-use kinference_api::{InferencePolicy, POLICY_LABEL};
+use kinference_api::{EppLogFormat, InferencePolicy, POLICY_LABEL};
 use kinference_policy::CompiledPolicy;
 use kinference_policy::spec::DEFAULT_SECRET_KEY;
 
@@ -212,6 +212,17 @@ pub fn deployment(
             ..Volume::default()
         });
     }
+    let tuned = policy.spec.endpoint_picker().cloned().unwrap_or_default();
+    if tuned.log_format == Some(EppLogFormat::Text) {
+        args.push("--log-format=text".into());
+    }
+    if let Some(interval) = tuned
+        .scrape_interval
+        .as_deref()
+        .and_then(scrape_interval_ms)
+    {
+        args.push(format!("--scrape-interval-ms={interval}"));
+    }
     if let Some(precise) = policy.spec.precise_prefix() {
         args.push(format!("--kv-events-port={}", precise.events_port()));
         args.push(format!("--kv-events-tokenizer={TOKENIZER_DIR}"));
@@ -271,16 +282,22 @@ pub fn deployment(
         ports: Some(ports),
         readiness_probe: Some(grpc_probe("readiness", 5)),
         liveness_probe: Some(grpc_probe("liveness", 10)),
-        // No CPU limit: the EPP sits on every request's latency path and CFS
-        // throttling would show up as TTFT; the memory limit bounds a leak.
-        resources: Some(ResourceRequirements {
-            requests: Some(BTreeMap::from([
-                ("cpu".to_string(), quantity("250m")),
-                ("memory".to_string(), quantity("256Mi")),
-            ])),
-            limits: Some(BTreeMap::from([("memory".to_string(), quantity("1Gi"))])),
-            ..ResourceRequirements::default()
-        }),
+        // No CPU limit by default: the EPP sits on every request's latency
+        // path and CFS throttling would show up as TTFT; the memory limit
+        // bounds a leak.
+        resources: Some(
+            tuned
+                .resources
+                .clone()
+                .unwrap_or_else(|| ResourceRequirements {
+                    requests: Some(BTreeMap::from([
+                        ("cpu".to_string(), quantity("250m")),
+                        ("memory".to_string(), quantity("256Mi")),
+                    ])),
+                    limits: Some(BTreeMap::from([("memory".to_string(), quantity("1Gi"))])),
+                    ..ResourceRequirements::default()
+                }),
+        ),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
@@ -327,7 +344,16 @@ pub fn deployment(
                         ..PodSecurityContext::default()
                     }),
                     volumes: Some(volumes),
-                    topology_spread_constraints: Some(vec![spread_over_nodes(names)]),
+                    topology_spread_constraints: Some(
+                        tuned
+                            .topology_spread_constraints
+                            .clone()
+                            .unwrap_or_else(|| vec![spread_over_nodes(names)]),
+                    ),
+                    node_selector: tuned.node_selector.clone(),
+                    tolerations: tuned.tolerations.clone(),
+                    affinity: tuned.affinity.clone(),
+                    priority_class_name: tuned.priority_class_name.clone(),
                     ..PodSpec::default()
                 }),
             },
@@ -336,6 +362,21 @@ pub fn deployment(
         status: None,
     }
 }
+
+/// The EPP's `--scrape-interval-ms` for a policy's `scrapeInterval`, if it
+/// is a duration within [`SCRAPE_INTERVALS`].
+pub fn scrape_interval_ms(text: &str) -> Option<u64> {
+    let d = kinference_policy::duration::parse_duration(text).ok()?;
+    SCRAPE_INTERVALS
+        .contains(&d)
+        .then(|| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The scrape intervals a policy may ask for: more often than 10 ms
+/// loads the model servers (LLD#2118), less often than a minute leaves
+/// the picker blind.
+pub const SCRAPE_INTERVALS: std::ops::RangeInclusive<std::time::Duration> =
+    std::time::Duration::from_millis(10)..=std::time::Duration::from_secs(60);
 
 /// Replicas on different nodes where the scheduler can place them so: one
 /// node lost takes one replica. A preference (`ScheduleAnyway`), so a
@@ -555,6 +596,57 @@ mod tests {
         assert_eq!(arg(&pod, "--kv-events-port"), Some("5600"));
         assert_eq!(pod.containers[0].ports.as_ref().unwrap().len(), 3);
         assert!(volume(&pod, "tokenizer").is_some());
+    }
+
+    /// `spec.endpointPicker`'s tuning reaches the Pod; unset, the defaults
+    /// (the snapshot's) stay.
+    #[test]
+    fn the_policy_tunes_its_epp_pods() {
+        let (mut policy, compiled) = example();
+        let tuning: EndpointPickerSpec = serde_json::from_value(serde_json::json!({
+            "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "epp", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+            }}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}],
+            "priorityClassName": "system-cluster-critical",
+            "logFormat": "text",
+            "scrapeInterval": "200ms"
+        }))
+        .unwrap();
+        policy.spec.endpoint_picker = Some(tuning);
+        let d = desired(&policy, &compiled, &settings()).deployment;
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        let container = &pod.containers[0];
+        let requests = container
+            .resources
+            .as_ref()
+            .unwrap()
+            .requests
+            .as_ref()
+            .unwrap();
+        assert_eq!(requests["cpu"].0, "2");
+        assert_eq!(pod.node_selector.unwrap()["pool"], "cpu");
+        assert_eq!(
+            pod.tolerations.unwrap()[0].key.as_deref(),
+            Some("dedicated")
+        );
+        assert!(pod.affinity.unwrap().node_affinity.is_some());
+        let spread = pod.topology_spread_constraints.unwrap();
+        assert_eq!(spread.len(), 1);
+        assert_eq!(spread[0].topology_key, "topology.kubernetes.io/zone");
+        assert_eq!(
+            pod.priority_class_name.as_deref(),
+            Some("system-cluster-critical")
+        );
+        let args = container.args.as_ref().unwrap();
+        assert!(args.contains(&"--log-format=text".to_string()), "{args:?}");
+        assert!(
+            args.contains(&"--scrape-interval-ms=200".to_string()),
+            "{args:?}"
+        );
     }
 
     #[test]

@@ -35,7 +35,8 @@ pub use backend_tls_policy::backend_tls_policy;
 pub use config_map::{check_config_map_size, config_map, epp_status_config_map};
 pub use deployment::{
     CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
-    PROVIDER_SECRETS_DIR, TOKENIZER_DIR, deployment, epp_selector,
+    PROVIDER_SECRETS_DIR, SCRAPE_INTERVALS, TOKENIZER_DIR, deployment, epp_selector,
+    scrape_interval_ms,
 };
 
 /// The EPP's own ports, which no other setting may take.
