@@ -42,6 +42,9 @@ pub struct Metrics {
     kv_index: Family<Labels, Gauge>,
     kv_index_on: AtomicBool,
     policy_info: Family<Labels, Gauge>,
+    /// 1 when Ready (`/readyz`), else 0: a policy, synced discovery,
+    /// every background task running.
+    ready: Gauge,
     streams_open: Gauge,
     buffered_body_bytes: Gauge,
     stream_refusals: Family<Labels, Counter>,
@@ -153,6 +156,12 @@ impl Default for Metrics {
             "The loaded policy (hash label)",
             policy_info.clone(),
         );
+        let ready = Gauge::default();
+        r.register(
+            "ready",
+            "1 when the EPP is ready (a policy loaded, discovery synced, every task running), else 0",
+            ready.clone(),
+        );
         r.register(
             "streams_open",
             "ext_proc streams open now",
@@ -209,6 +218,7 @@ impl Default for Metrics {
             cached_prefix_error,
             fallback_answers,
             scrape,
+            ready,
             pool: Default::default(),
         }
     }
@@ -355,6 +365,11 @@ impl Metrics {
         self.bad_requests
             .get_or_create(&labels(&[("reason", reason)]))
             .inc();
+    }
+
+    /// Whether the EPP is ready, as `/readyz` says, for the next render.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.set(i64::from(ready));
     }
 
     /// Precise mode is on: export each endpoint's KV-event index state.

@@ -385,6 +385,7 @@ pub async fn bind_events_ports(
 
 async fn metrics(State(epp): State<Epp>) -> impl IntoResponse {
     let hash = epp.policy().loaded_hash();
+    epp.picker.metrics.set_ready(epp.ready());
     (
         [(
             "content-type",

@@ -77,6 +77,19 @@ impl Error {
         }
     }
 
+    /// Every value [`Error::metric_label`] takes.
+    pub const METRIC_LABELS: [&'static str; 9] = [
+        "get",
+        "list",
+        "apply",
+        "patch",
+        "delete",
+        "status",
+        "too_large",
+        "conflict",
+        "incomplete_object",
+    ];
+
     /// Low-cardinality label for the errors metric.
     pub fn metric_label(&self) -> &'static str {
         match self {

@@ -83,6 +83,14 @@ impl Metrics {
             "Time spent in one reconcile",
             duration.clone(),
         );
+        // Every series from 0: an alert on `increase(...) > 0` sees the
+        // first failure, not only the second, and dashboards a flat line.
+        for result in ["success", "error"] {
+            reconciles.get_or_create(&ResultLabel { result }).inc_by(0);
+        }
+        for error in crate::Error::METRIC_LABELS {
+            errors.get_or_create(&ErrorLabel { error }).inc_by(0);
+        }
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -228,6 +236,13 @@ mod tests {
     #[test]
     fn counts_and_renders() {
         let m = Metrics::new();
+        let fresh = m.render();
+        for series in [
+            "kinference_operator_reconciles_total{result=\"error\"} 0",
+            "kinference_operator_reconcile_errors_total{error=\"conflict\"} 0",
+        ] {
+            assert!(fresh.contains(series), "every series starts at 0: {fresh}");
+        }
         m.reconciled(Duration::from_millis(12), None);
         m.reconciled(Duration::from_millis(30), Some("apply"));
         m.set_leader(true);

@@ -1,0 +1,191 @@
+//! The shipped alert rules and dashboard (`manifests/monitoring/`) name
+//! only series the EPP and the operator export: each name a rule or a
+//! panel's query reads must appear in the two binaries' own expositions
+//! (besides Prometheus's `up`).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use kinference_e2e::cluster::yaml_documents_to_json;
+use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics, endpoints_from_specs};
+use kinference_epp::metrics::DecisionOutcome;
+use kinference_epp::server::{Epp, Settings};
+
+fn monitoring(file: &str) -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/monitoring/").to_string() + file;
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The PromQL of every alert rule.
+fn rule_expressions() -> Vec<String> {
+    let docs = yaml_documents_to_json(&monitoring("prometheus-rules.yaml")).unwrap();
+    assert_eq!(docs.len(), 1);
+    assert_eq!(docs[0]["kind"], "PrometheusRule");
+    docs[0]["spec"]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().clone())
+        .map(|r| r["expr"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The PromQL of every panel's target and template variable.
+fn dashboard_expressions() -> Vec<String> {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&monitoring("grafana-dashboard.json")).unwrap();
+    let panels = dashboard["panels"].as_array().unwrap();
+    let mut out: Vec<String> = panels
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().clone())
+        .map(|t| t["expr"].as_str().unwrap().to_string())
+        .collect();
+    for var in dashboard["templating"]["list"].as_array().unwrap() {
+        if var["type"] == "query" {
+            out.push(var["query"].as_str().unwrap().to_string());
+        }
+    }
+    out
+}
+
+/// Series names in an expression: identifiers followed by `{`, `[` or a
+/// space, that are neither PromQL keywords nor functions (followed by `(`).
+fn series_in(expr: &str) -> BTreeSet<String> {
+    const KEYWORDS: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+    ];
+    let mut out = BTreeSet::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let start = i;
+        while i < bytes.len()
+            && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_' || bytes[i] == b':')
+        {
+            i += 1;
+        }
+        if i > start {
+            let word = &expr[start..i];
+            let before = expr[..start].chars().last();
+            let next = expr[i..].trim_start().chars().next();
+            let inside_braces =
+                expr[..start].matches('{').count() > expr[..start].matches('}').count();
+            let is_name = word.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                && !KEYWORDS.contains(&word)
+                && next != Some('(')
+                && !inside_braces
+                && before != Some('$')
+                && !matches!(before, Some('[') | Some('"'));
+            if is_name && word.contains('_') || word == "up" {
+                out.insert(word.to_string());
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The series an exposition offers: every sample's name, and every
+/// family's series by its type, samples or not (a counter `x` is
+/// `x_total`; a histogram `x_bucket`, `x_sum` and `x_count`).
+fn exported(exposition: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for line in exposition.lines().filter(|l| !l.is_empty()) {
+        if let Some(family) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = family.split_once(' ').unwrap();
+            let suffixes: &[&str] = match kind {
+                "counter" => &["_total"],
+                "histogram" => &["_bucket", "_sum", "_count"],
+                "info" => &["_info"],
+                _ => &[""],
+            };
+            out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        } else if !line.starts_with('#') {
+            out.insert(line.split(['{', ' ']).next().unwrap().to_string());
+        }
+    }
+    out
+}
+
+/// The EPP's exposition with every family it can have filled in.
+fn epp_exposition() -> String {
+    let epp = Epp::new(Settings::default());
+    epp.policy()
+        .load_text("rules:\n  - name: r\n    route: { select: [{ minimize: QueueDepth }] }\n")
+        .unwrap();
+    let specs = ["10.0.0.1:8000", "10.0.0.2:8000"].map(|a| EndpointSpec::new(a, &["m"]));
+    epp.registry()
+        .replace_all(endpoints_from_specs(specs).unwrap());
+    for ep in epp.registry().endpoints() {
+        epp.registry()
+            .set_metrics(&ep.name, ScrapedMetrics::empty(Instant::now()));
+    }
+    let metrics = &epp.picker.metrics;
+    metrics.pool.set_pool_name("pool");
+    metrics.export_kv_index_states();
+    metrics.set_ready(true);
+    metrics.observe_decision("r", DecisionOutcome::Local, Duration::from_millis(1));
+    metrics.observe_decision(
+        "r",
+        DecisionOutcome::Reject { status: 503 },
+        Duration::from_millis(1),
+    );
+    metrics.observe_ttft_prediction(0.1, 0.12);
+    metrics.observe_cached_prefix_prediction("estimate", 10.0, 12, 100);
+    metrics.render(epp.registry(), Some("0123"))
+}
+
+#[test]
+fn every_rule_and_panel_names_a_series_the_binaries_export() {
+    let mut offered = exported(&epp_exposition());
+    offered.extend(exported(&kinference_operator::Metrics::new().render()));
+    offered.insert("up".to_string());
+    let mut missing = Vec::new();
+    let mut named = 0;
+    for expr in rule_expressions()
+        .into_iter()
+        .chain(dashboard_expressions())
+    {
+        for series in series_in(&expr) {
+            named += 1;
+            if !offered.contains(&series) {
+                missing.push(format!("{series} (in `{}`)", expr.trim()));
+            }
+        }
+    }
+    assert!(
+        named >= 15,
+        "only {named} series found: is the parser reading the files?"
+    );
+    assert!(
+        missing.is_empty(),
+        "not exported: {missing:#?}\nexported: {offered:#?}"
+    );
+}
+
+#[test]
+fn the_series_parser_finds_names_and_skips_functions_labels_and_keywords() {
+    let names = series_in(
+        "sum by (rule, le) (rate(kinference_epp_decisions_total{outcome=\"local\", namespace=~\"$ns\"}[5m])) / on (pod) up > 0 and inference_pool_ready_pods",
+    );
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "inference_pool_ready_pods",
+            "kinference_epp_decisions_total",
+            "up"
+        ]
+    );
+}
