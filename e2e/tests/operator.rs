@@ -448,6 +448,24 @@ async fn event_reasons(client: &Client, policy: &str) -> Result<Vec<String>> {
 
 // ------------------------------------------------------------------ tests
 
+/// Argo CD's health of `policy` by `manifests/gitops/argocd-health.lua`,
+/// run as Argo CD runs it: `obj` is the object, the chunk returns the health.
+fn argocd_health(policy: &InferencePolicy) -> Result<(String, String)> {
+    use mlua::LuaSerdeExt as _;
+    let script = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../manifests/gitops/argocd-health.lua"
+    ))?;
+    let lua = mlua::Lua::new();
+    let obj = lua
+        .to_value(&serde_json::to_value(policy)?)
+        .map_err(|e| anyhow!("{e}"))?;
+    lua.globals().set("obj", obj).map_err(|e| anyhow!("{e}"))?;
+    let hs: mlua::Table = lua.load(&script).eval().map_err(|e| anyhow!("{e}"))?;
+    let field = |k: &str| hs.get::<String>(k).map_err(|e| anyhow!("{e}"));
+    Ok((field("status")?, field("message")?))
+}
+
 /// What Flux's health checks compute, by cli-utils' own kstatus (v0.37.2,
 /// built from the Go module proxy): a policy that must change is Failed,
 /// one whose EPP does not serve it yet InProgress, a served one Current.
@@ -461,9 +479,20 @@ async fn kstatus_reads_an_invalid_policy_as_failed_a_pending_one_in_progress_and
     let (operator, _metrics) = start_operator(&client);
     let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
     let rules = json!([{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]);
+    // kstatus's verdict, and Argo CD's health by the shipped Lua check,
+    // which must agree with it.
     let verdict = async |name: &str| {
         let policy = policies.get(name).await?;
-        kinference_e2e::kstatus::compute(&kstatus, &policy)
+        let (status, message) = kinference_e2e::kstatus::compute(&kstatus, &policy)?;
+        let health = argocd_health(&policy)?;
+        let agrees = match status.as_str() {
+            "Failed" => "Degraded",
+            "InProgress" => "Progressing",
+            "Current" => "Healthy",
+            other => other,
+        };
+        anyhow::ensure!(health.0 == agrees, "kstatus {status}, Argo CD {health:?}");
+        Ok::<_, anyhow::Error>((status, message))
     };
 
     // Without a pool the operator cannot make one: the policy must change.
