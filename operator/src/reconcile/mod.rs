@@ -468,40 +468,33 @@ mod tests {
             ("2m", true),
             ("often", true),
         ] {
-            let mut s = spec(example_spec());
-            s.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+            let errors = errors_with(kinference_api::EndpointPickerSpec {
                 scrape_interval: Some(interval.into()),
                 ..Default::default()
             });
-            match compile("chat", &s) {
-                Ok(_) => assert!(!refused, "{interval} accepted"),
-                Err(errors) => assert_eq!(
-                    errors,
-                    [format!(
-                        "spec.endpointPicker.scrapeInterval: {interval:?} is not a duration from 10ms to 60s"
-                    )]
-                ),
-            }
+            let expected = format!(
+                "spec.endpointPicker.scrapeInterval: {interval:?} is not a duration from 10ms to 60s"
+            );
+            assert_eq!(errors, refused.then(|| vec![expected]), "{interval}");
         }
+    }
+
+    /// The example policy with these EPP settings: its errors, if refused.
+    fn errors_with(picker: kinference_api::EndpointPickerSpec) -> Option<Vec<String>> {
+        let mut s = spec(example_spec());
+        s.endpoint_picker = Some(picker);
+        compile("chat", &s).err()
     }
 
     #[test]
     fn epp_replicas_out_of_range_are_refused_with_their_path() {
         for (replicas, refused) in [(0, true), (1, false), (100, false), (101, true)] {
-            let mut s = spec(example_spec());
-            s.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+            let errors = errors_with(kinference_api::EndpointPickerSpec {
                 replicas: Some(replicas),
                 ..Default::default()
             });
-            match compile("chat", &s) {
-                Ok(_) => assert!(!refused, "{replicas} accepted"),
-                Err(errors) => assert_eq!(
-                    errors,
-                    [format!(
-                        "spec.endpointPicker.replicas: {replicas} is not within 1..100"
-                    )]
-                ),
-            }
+            let expected = format!("spec.endpointPicker.replicas: {replicas} is not within 1..100");
+            assert_eq!(errors, refused.then(|| vec![expected]), "{replicas}");
         }
     }
 
