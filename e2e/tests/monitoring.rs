@@ -189,3 +189,68 @@ fn the_series_parser_finds_names_and_skips_functions_labels_and_keywords() {
         ]
     );
 }
+
+/// The PodMonitors select what they scrape: the EPP Pods the operator
+/// generates, by their labels and named metrics port, and the operator's
+/// own Pod in `manifests/`.
+#[test]
+fn the_pod_monitors_select_the_epp_and_operator_pods_and_their_metrics_ports() {
+    use kinference_operator::resources::{EppSettings, desired};
+    let monitors = yaml_documents_to_json(&monitoring("pod-monitors.yaml")).unwrap();
+    let selects = |name: &str, labels: &serde_json::Value, ports: &[&str]| {
+        let monitor = monitors
+            .iter()
+            .find(|m| m["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no PodMonitor {name}"));
+        for (key, value) in monitor["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .unwrap()
+        {
+            assert_eq!(&labels[key], value, "{name}: label {key}");
+        }
+        for endpoint in monitor["spec"]["podMetricsEndpoints"].as_array().unwrap() {
+            let port = endpoint["port"].as_str().unwrap();
+            assert!(ports.contains(&port), "{name}: no port {port} in {ports:?}");
+        }
+    };
+
+    let policy: kinference_api::InferencePolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kinference.io/v1alpha1", "kind": "InferencePolicy",
+        "metadata": {"name": "chat", "namespace": "llm", "uid": "4c5f7c2e-0000-4000-8000-000000000001"},
+        "spec": {
+            "pool": {"selector": {"app": "vllm"}, "targetPorts": [{"number": 8000}]},
+            "rules": [{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]
+        }
+    }))
+    .unwrap();
+    let compiled = kinference_policy::compile(&policy.spec.policy).unwrap();
+    let settings = EppSettings {
+        image: "epp".into(),
+        replicas: 1,
+    };
+    let deployment =
+        serde_json::to_value(desired(&policy, &compiled, &settings).deployment).unwrap();
+    let pod = &deployment["spec"]["template"];
+    let ports: Vec<&str> = pod["spec"]["containers"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    selects("kinference-epp", &pod["metadata"]["labels"], &ports);
+
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/deployment.yaml");
+    let operator = yaml_documents_to_json(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let template = &operator[0]["spec"]["template"];
+    let ports: Vec<&str> = template["spec"]["containers"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    selects(
+        "kinference-operator",
+        &template["metadata"]["labels"],
+        &ports,
+    );
+}
