@@ -623,15 +623,161 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
     let (_, accepted) = wait_condition(&policies, "rules-only", "Accepted", "False").await?;
     assert_eq!(accepted.reason, "InvalidPolicy");
     assert!(
-        accepted
-            .message
-            .starts_with("spec.pool: required: the operator creates the InferencePool"),
+        accepted.message.starts_with(
+            "spec.pool: required unless spec.targetRefs names the existing InferencePool"
+        ),
         "{accepted:?}"
     );
     assert!(
         pools(&client).get("rules-only").await.is_err(),
         "no pool without one declared"
     );
+    operator.stop().await?;
+    Ok(())
+}
+
+/// A policy attached to an InferencePool it does not own (`targetRefs`):
+/// the operator writes its EPP and compiled policy, never the pool or a
+/// route; it is Ready once the pool names its EPP; a second policy on the
+/// same pool is refused until the first goes.
+#[tokio::test]
+async fn a_policy_attached_to_an_existing_pool_gets_its_epp_and_leaves_the_pool_alone() -> Result<()>
+{
+    let cluster = start_cluster().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let (operator, _metrics) = start_operator(&client);
+    let policies: Api<InferencePolicy> = Api::namespaced(client.clone(), NS);
+    let rules = json!([{"name": "r", "route": {"select": [{"minimize": "QueueDepth"}]}}]);
+    let attached = |name: &str, pool: &str| -> Result<InferencePolicy> {
+        let mut p = policy(name, json!({"rules": rules}))?;
+        p.spec.target_refs = vec![kinference_api::PolicyTargetReference {
+            group: "inference.networking.k8s.io".into(),
+            kind: "InferencePool".into(),
+            name: pool.into(),
+        }];
+        Ok(p)
+    };
+
+    // Not there yet: the reference says so, and the EPP is generated anyway.
+    policies
+        .create(&PostParams::default(), &attached("chat", "shared")?)
+        .await?;
+    let (_, refs) = wait_condition(&policies, "chat", "ResolvedRefs", "False").await?;
+    assert_eq!(refs.reason, "InferencePoolNotFound");
+    assert_eq!(refs.message, "InferencePool not found: team-a/shared");
+
+    // The team's own pool, served by the reference EPP.
+    let pool: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "shared", "namespace": NS},
+        "spec": {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"name": "vllm-epp", "port": {"number": 9002}}
+        }
+    }))?;
+    let created = pools(&client).create(&PostParams::default(), &pool).await?;
+    wait_condition(&policies, "chat", "ResolvedRefs", "True").await?;
+    let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("chat-epp")
+        .await?;
+    let args = deployment
+        .spec
+        .context("spec")?
+        .template
+        .spec
+        .context("pod")?
+        .containers[0]
+        .args
+        .clone()
+        .unwrap_or_default();
+    for arg in ["--pool-name=shared", "--pool-namespace=team-a"] {
+        assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
+    }
+    assert!(
+        Api::<ConfigMap>::namespaced(client.clone(), NS)
+            .get("chat-policy")
+            .await
+            .is_ok()
+    );
+    assert!(
+        routes(&client)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .is_empty()
+    );
+    assert_eq!(
+        pools(&client)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .len(),
+        1,
+        "a pool was written"
+    );
+
+    // Served by its EPP, but the pool still names the reference's.
+    let spec = json!({"rules": rules});
+    make_epp_available(&client, "chat").await?;
+    create_epp_pod(&client, "chat").await?;
+    report(&client, "chat", &epp_pod("chat"), &hash_of(&spec)?, &[]).await?;
+    let (_, ready) = eventually("chat NotAttached", async || {
+        let p = policies.get("chat").await?;
+        Ok(condition(&p, "Ready")
+            .filter(|c| c.reason == "NotAttached")
+            .map(|c| (p, c)))
+    })
+    .await?;
+    assert_eq!(
+        ready.message,
+        "InferencePool team-a/shared sends its requests to the EPP Service \"vllm-epp\", not to \
+         this policy's: set its spec.endpointPickerRef to {name: chat-epp, port: {number: 9002}}"
+    );
+    // The team switches the pool over: Ready, by the pool's watch alone.
+    pools(&client)
+        .patch(
+            "shared",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"endpointPickerRef": {"name": "chat-epp"}}})),
+        )
+        .await?;
+    wait_condition(&policies, "chat", "Ready", "True").await?;
+    let pool = pools(&client).get("shared").await?;
+    let managers: Vec<String> = pool
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(
+        !managers.iter().any(|m| m == "kinference-operator"),
+        "the operator wrote the pool: {managers:?}"
+    );
+    assert!(created.metadata.owner_references.is_none());
+
+    // A second policy on the same pool: refused, nothing of it runs.
+    policies
+        .create(&PostParams::default(), &attached("later", "shared")?)
+        .await?;
+    let (_, stalled) = wait_condition(&policies, "later", "Stalled", "True").await?;
+    assert_eq!(stalled.reason, "Conflict");
+    assert_eq!(
+        stalled.message,
+        "InferencePolicy chat attached to InferencePool team-a/shared first; one pool has one policy"
+    );
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    assert!(deployments.get("later-epp").await.is_err());
+    // The first goes: the second takes the pool over.
+    policies.delete("chat", &DeleteParams::default()).await?;
+    eventually("later's EPP", async || {
+        Ok(deployments.get("later-epp").await.ok())
+    })
+    .await?;
+    wait_condition(&policies, "later", "Stalled", "False").await?;
     operator.stop().await?;
     Ok(())
 }

@@ -34,8 +34,8 @@ use kinference_e2e::node::workspace_images::{self, Dockerfile, repo_root};
 use kinference_e2e::node::{self, RealCluster};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
 use kube::api::{
-    Api, DeleteParams, DynamicObject, GroupVersionKind, ListParams, LogParams, Patch, PatchParams,
-    ValidationDirective,
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, LogParams, Patch,
+    PatchParams, ValidationDirective,
 };
 use kube::discovery::{Discovery, Scope, verbs};
 use kube::{Client, ResourceExt};
@@ -170,6 +170,8 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
         start,
         "precise prefix mode: the tokenizer image mounted, prompts tokenized",
     );
+    s.attach_to_an_existing_pool().await?;
+    step(start, "a policy attached to the team's own pool serves it");
     s.check_printer_columns().await?;
     s.delete_policy().await?;
     step(start, "policy deleted, owned objects collected");
@@ -522,6 +524,97 @@ impl Scenario {
         eprintln!(
             "  {} mounted {TOKENIZER_IMAGE}, tokenized {tokenized} prompts",
             epp.name_any()
+        );
+        Ok(())
+    }
+
+    /// A team's own InferencePool (its EPP named `attached-epp`) and a policy
+    /// attached to it with `targetRefs`: the operator rolls out the policy's
+    /// EPP only, which reads the pool under its narrow Role (list and watch
+    /// of that one pool), discovers the simulators by the pool's selector,
+    /// and loads the policy; the policy is Ready; the pool is never written.
+    async fn attach_to_an_existing_pool(&self) -> Result<()> {
+        const ATTACHED: &str = "attached";
+        const TEAM_POOL: &str = "team-pool";
+        let pool = json!({
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": { "name": TEAM_POOL, "namespace": DEMO_NS },
+            "spec": {
+                "selector": { "matchLabels": { "app": SIM } },
+                "targetPorts": [{ "number": 8000 }],
+                "endpointPickerRef": { "name": format!("{ATTACHED}-epp"), "port": { "number": 9002 } }
+            }
+        });
+        let policy = json!({
+            "apiVersion": "kinference.io/v1alpha1",
+            "kind": "InferencePolicy",
+            "metadata": { "name": ATTACHED, "namespace": DEMO_NS },
+            "spec": {
+                "targetRefs": [{ "group": "inference.networking.k8s.io", "kind": "InferencePool", "name": TEAM_POOL }],
+                "rules": [{ "name": "least-queued", "route": { "select": [{ "minimize": "QueueDepth" }] } }]
+            }
+        });
+        self.apply_all(&[pool, policy]).await?;
+        let policies = self.policies();
+        eventually("the attached policy Ready", || async {
+            let policy = policies.get(ATTACHED).await?;
+            let generation = policy.metadata.generation;
+            let ready = policy.status.as_ref().and_then(|s| {
+                s.conditions
+                    .iter()
+                    .find(|c| c.type_ == "Ready" && c.observed_generation == generation)
+                    .cloned()
+            });
+            match ready {
+                Some(c) if c.status == "True" => Ok(Some(())),
+                other => Err(anyhow!("Ready is {other:?}")),
+            }
+        })
+        .await?;
+        let sims = self.ready_sim_pods(3).await?;
+        let want: BTreeSet<(String, String)> = sims
+            .iter()
+            .map(|p| (p.name_any(), format!("{}:8000", pod_ip(p))))
+            .collect();
+        let selector = format!("{POLICY_LABEL}={ATTACHED},app.kubernetes.io/name=kinference-epp");
+        let epp = self.wait_ready_pod(DEMO_NS, &selector).await?;
+        eventually("the attached EPP to discover the pool's Pods", || async {
+            let metrics = http_get(&format!("{}:9090", pod_ip(&epp)), "/metrics").await?;
+            let seen = metric_endpoints(&metrics);
+            if seen == want {
+                return Ok(Some(()));
+            }
+            Err(anyhow!("the attached EPP sees {seen:?}, not {want:?}"))
+        })
+        .await?;
+        let pools = Api::<DynamicObject>::namespaced_with(
+            self.client.clone(),
+            DEMO_NS,
+            &ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool"),
+                "inferencepools",
+            ),
+        );
+        let managers: Vec<String> = pools
+            .get(TEAM_POOL)
+            .await?
+            .metadata
+            .managed_fields
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|m| m.manager)
+            .collect();
+        ensure!(
+            managers == [FIELD_MANAGER],
+            "the team's pool was written by {managers:?}"
+        );
+        policies.delete(ATTACHED, &DeleteParams::default()).await?;
+        pools.delete(TEAM_POOL, &DeleteParams::default()).await?;
+        eprintln!(
+            "  {} serves {TEAM_POOL} for policy {ATTACHED}: {} endpoints",
+            epp.name_any(),
+            want.len()
         );
         Ok(())
     }

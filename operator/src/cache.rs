@@ -20,6 +20,8 @@ use kube::api::PartialObjectMeta;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 
+use kinference_api::InferencePolicy;
+
 use crate::resources::InferencePool;
 
 /// Reads the metadata of cached objects of one kind.
@@ -64,11 +66,16 @@ pub struct Caches {
     /// Whole: the status says whether the EPP is available.
     pub deployments: Store<Deployment>,
     pub pods: Store<PartialObjectMeta<Pod>>,
-    pub inference_pools: Store<PartialObjectMeta<InferencePool>>,
+    /// Every InferencePool in scope, whole: attached policies read the
+    /// selector and `endpointPickerRef` of pools they do not own.
+    pub inference_pools: Store<InferencePool>,
     pub http_routes: Store<PartialObjectMeta<HttpRoute>>,
     pub backend_tls_policies: Store<PartialObjectMeta<BackendTlsPolicy>>,
     /// Every Gateway in scope (not only labelled ones): parentRefs name them.
     pub gateways: Store<PartialObjectMeta<Gateway>>,
+    /// Every policy in scope (the controller's own store): who else is
+    /// attached to a pool.
+    pub policies: Store<InferencePolicy>,
     /// None: every namespace is watched.
     pub scope: Option<String>,
     /// Set once every store has been listed (or the wait for it ran out).
@@ -104,6 +111,7 @@ impl Caches {
                         self.http_routes.wait_until_ready(),
                         self.backend_tls_policies.wait_until_ready(),
                         self.gateways.wait_until_ready(),
+                        self.policies.wait_until_ready(),
                     )
                 };
                 match tokio::time::timeout(FIRST_LIST_WAIT, all).await {
@@ -145,6 +153,19 @@ impl Caches {
                     .iter()
                     .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
             })
+            .collect()
+    }
+
+    pub fn inference_pool(&self, ns: &str, name: &str) -> Option<Arc<InferencePool>> {
+        self.inference_pools.get(&ObjectRef::new(name).within(ns))
+    }
+
+    /// Every cached policy in `ns`.
+    pub fn policies_in(&self, ns: &str) -> Vec<Arc<InferencePolicy>> {
+        self.policies
+            .state()
+            .into_iter()
+            .filter(|p| p.namespace().as_deref() == Some(ns))
             .collect()
     }
 
@@ -206,6 +227,7 @@ mod tests {
             http_routes: routes.0,
             backend_tls_policies: tls.0,
             gateways: gateways.0,
+            policies: listed().0,
             scope: None,
             listed: Arc::default(),
         };

@@ -22,6 +22,9 @@ pub enum Error {
         "{0} already exists and is not controlled by this policy; it is left untouched: delete or rename it, or rename the policy"
     )]
     Conflict(String),
+    /// The InferencePool an attached policy names is another policy's.
+    #[error("{0}")]
+    PoolTaken(String),
     /// The policy object lacks what only the API server sets.
     #[error("InferencePolicy {0} has no namespace or uid; it must come from the API server")]
     Incomplete(String),
@@ -102,7 +105,7 @@ impl Error {
                 Verb::PatchStatus => "status",
             },
             Error::TooLarge(_) => "too_large",
-            Error::Conflict(_) => "conflict",
+            Error::Conflict(_) | Error::PoolTaken(_) => "conflict",
             Error::Incomplete(_) => "incomplete_object",
         }
     }

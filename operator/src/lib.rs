@@ -8,6 +8,7 @@
 //! `kinference-operator` binary is a thin CLI around the same call.
 #![forbid(unsafe_code)]
 
+pub mod attachment;
 pub mod cache;
 pub mod error;
 pub mod leader;

@@ -276,7 +276,7 @@ async fn run_controller(client: Client, config: Config, stop: Shutdown) {
     .reflect(writer)
     .applied_objects();
     let mut watches = Watches::new(&client, ns);
-    let caches = watches.caches(ns);
+    let caches = watches.caches(ns, policy_store.clone());
     let ctx = Arc::new(Context {
         client: client.clone(),
         epp: EppSettings {
@@ -353,7 +353,7 @@ struct Watches {
     services: Watched<PartialObjectMeta<Service>>,
     deployments: Watched<Deployment>,
     pods: Watched<PartialObjectMeta<Pod>>,
-    inference_pools: Watched<PartialObjectMeta<InferencePool>>,
+    inference_pools: Watched<InferencePool>,
     http_routes: Watched<PartialObjectMeta<HttpRoute>>,
     backend_tls_policies: Watched<PartialObjectMeta<BackendTlsPolicy>>,
     gateways: Watched<PartialObjectMeta<Gateway>>,
@@ -383,14 +383,15 @@ impl Watches {
             services: watched(client, ns, &ours),
             deployments: watched(client, ns, &ours),
             pods: watched(client, ns, &ours),
-            inference_pools: watched(client, ns, &ours),
+            // All of them: an attached policy's pool is not its own.
+            inference_pools: watched(client, ns, &watcher::Config::default()),
             http_routes: watched(client, ns, &ours),
             backend_tls_policies: watched(client, ns, &ours),
             gateways: watch_gateways(client, ns),
         }
     }
 
-    fn caches(&self, ns: Option<&str>) -> Caches {
+    fn caches(&self, ns: Option<&str>, policies: Store<InferencePolicy>) -> Caches {
         Caches {
             service_accounts: self.service_accounts.store.clone(),
             roles: self.roles.store.clone(),
@@ -406,6 +407,7 @@ impl Watches {
             http_routes: self.http_routes.store.clone(),
             backend_tls_policies: self.backend_tls_policies.store.clone(),
             gateways: self.gateways.store.clone(),
+            policies,
             scope: ns.map(str::to_string),
             listed: Arc::default(),
         }
@@ -428,7 +430,12 @@ impl Watches {
         let c = c.owns_stream(take(&mut self.services));
         // Rollout progress: waiting for the EPP needs no polling.
         let c = c.owns_stream(take(&mut self.deployments));
-        let c = c.owns_stream(take(&mut self.inference_pools));
+        // A pool's owner, and every policy attached to it: one appearing,
+        // going, or naming another EPP changes their status.
+        let attached = policies.clone();
+        let c = c.watches_stream(take(&mut self.inference_pools), move |pool| {
+            policies_on_pool(&attached, &pool)
+        });
         let c = c.owns_stream(take(&mut self.http_routes));
         let c = c.owns_stream(take(&mut self.backend_tls_policies));
         // EPP Pods: one coming or going changes which reports count (and a
@@ -531,6 +538,28 @@ fn gateway_named(r: &ObjectRef<PartialObjectMeta<Gateway>>) -> PartialObjectMeta
     meta.metadata.name = Some(r.name.clone());
     meta.metadata.namespace = r.namespace.clone();
     meta
+}
+
+fn policies_on_pool(
+    policies: &Store<InferencePolicy>,
+    pool: &InferencePool,
+) -> Vec<ObjectRef<InferencePolicy>> {
+    let Some(ns) = pool.namespace() else {
+        return Vec::new();
+    };
+    let name = pool.name_any();
+    let owner = pool
+        .owner_references()
+        .iter()
+        .filter(|o| o.controller == Some(true) && o.kind == InferencePolicy::kind(&()))
+        .map(|o| ObjectRef::new(&o.name).within(&ns));
+    let attached = policies
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .filter(|p| p.spec.attached_pool() == Some(name.as_str()))
+        .map(|p| ObjectRef::from_obj(p.as_ref()));
+    owner.chain(attached).collect()
 }
 
 fn policies_naming(

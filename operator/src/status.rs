@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::attachment::{Attached, PoolState};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kinference_api::{
@@ -32,6 +33,10 @@ pub const REASON_APPLY_FAILED: &str = "ApplyFailed";
 /// A generated name is taken by an object the policy does not control.
 pub const REASON_CONFLICT: &str = "Conflict";
 pub const REASON_POLICY_NOT_LOADED: &str = "PolicyNotLoaded";
+/// An attached policy's pool is missing, or sends its requests to another
+/// EPP: the policy does not take effect.
+pub const REASON_NOT_ATTACHED: &str = "NotAttached";
+pub const REASON_POOL_NOT_FOUND: &str = "InferencePoolNotFound";
 
 /// Condition messages are capped by the API (32 KiB); stay well below.
 const MAX_MESSAGE: usize = 16 * 1024;
@@ -65,6 +70,8 @@ pub struct RefReport {
     pub unchecked_secrets: Vec<String>,
     /// `namespace/name` of Gateways.
     pub missing_gateways: Vec<String>,
+    /// `namespace/name` of the InferencePool an attached policy names.
+    pub missing_pool: Option<String>,
 }
 
 /// What the EPP Deployment and its Pods report.
@@ -91,6 +98,8 @@ pub struct Observation {
     /// the Ready reason ([`REASON_CONFLICT`] or [`REASON_APPLY_FAILED`]) and
     /// the message.
     pub apply_failure: Option<(&'static str, String)>,
+    /// An attached policy's pool (None: the policy declares its pool).
+    pub attachment: Option<Attached>,
 }
 
 /// The status to write for `obs`, keeping transition times from `prev`.
@@ -146,7 +155,10 @@ pub fn compute(
     };
 
     let refs = &obs.refs;
-    let resolved = if refs.missing_secrets.is_empty() && refs.missing_gateways.is_empty() {
+    let resolved = if refs.missing_secrets.is_empty()
+        && refs.missing_gateways.is_empty()
+        && refs.missing_pool.is_none()
+    {
         if refs.unchecked_secrets.is_empty() {
             (
                 Some(true),
@@ -183,16 +195,21 @@ pub fn compute(
                 refs.missing_gateways.join(", ")
             ));
         }
+        if let Some(pool) = &refs.missing_pool {
+            parts.push(format!("InferencePool not found: {pool}"));
+        }
         if !refs.unchecked_secrets.is_empty() {
             parts.push(format!(
                 "not reported by an EPP Pod yet: {}",
                 refs.unchecked_secrets.join(", ")
             ));
         }
-        let reason = if refs.missing_secrets.is_empty() {
-            REASON_GATEWAY_NOT_FOUND
-        } else {
+        let reason = if !refs.missing_secrets.is_empty() {
             REASON_SECRET_NOT_FOUND
+        } else if refs.missing_pool.is_some() {
+            REASON_POOL_NOT_FOUND
+        } else {
+            REASON_GATEWAY_NOT_FOUND
         };
         (Some(false), reason, parts.join("; "))
     };
@@ -202,6 +219,9 @@ pub fn compute(
     let ready = match &obs.acceptance {
         Acceptance::Accepted { .. } if let Some((reason, message)) = &obs.apply_failure => {
             (false, *reason, truncate(message, MAX_MESSAGE))
+        }
+        Acceptance::Accepted { .. } if let Some(why) = not_attached(obs.attachment.as_ref()) => {
+            (false, REASON_NOT_ATTACHED, why)
         }
         Acceptance::Accepted { hash, .. } if epp.available_replicas < 1 => (
             false,
@@ -284,6 +304,22 @@ pub fn compute(
         pool,
         rules,
         policy_hash,
+    }
+}
+
+/// Why an attached policy does not take effect, if it does not.
+fn not_attached(attachment: Option<&Attached>) -> Option<String> {
+    let Attached { pool, state } = attachment?;
+    match state {
+        PoolState::Missing => Some(format!(
+            "InferencePool {pool} does not exist; the EPP serves it once it does"
+        )),
+        PoolState::Elsewhere { names, fix } => Some(format!(
+            "InferencePool {pool} sends its requests to the EPP Service {names:?}, not to this \
+             policy's: {fix}"
+        )),
+        // A conflict is an apply failure: the reconciler applies nothing.
+        PoolState::Served | PoolState::Conflict { .. } => None,
     }
 }
 
@@ -489,7 +525,66 @@ mod tests {
             },
             configured_hash: None,
             apply_failure: None,
+            attachment: None,
         }
+    }
+
+    /// An attached policy, its EPP serving, in each state of its pool.
+    #[test]
+    fn an_attached_policy_is_ready_only_once_its_pool_sends_it_requests() {
+        let with = |state: PoolState, missing: bool| {
+            let mut o = obs(accepted(), 1, &[HASH]);
+            o.attachment = Some(Attached {
+                pool: "team-a/shared".into(),
+                state,
+            });
+            o.refs.missing_pool = missing.then(|| "team-a/shared".to_string());
+            compute(None, &o, t(0))
+        };
+        let summary = |s: &InferencePolicyStatus| {
+            ["ResolvedRefs", "Ready", "Reconciling", "Stalled"]
+                .map(|type_| {
+                    let c = cond(s, type_);
+                    format!("{type_}={} {}", c.status, c.reason)
+                })
+                .join(", ")
+        };
+
+        let missing = with(PoolState::Missing, true);
+        assert_eq!(
+            summary(&missing),
+            "ResolvedRefs=False InferencePoolNotFound, Ready=False NotAttached, \
+             Reconciling=True NotAttached, Stalled=False NotAttached"
+        );
+        assert_eq!(
+            cond(&missing, "ResolvedRefs").message,
+            "InferencePool not found: team-a/shared"
+        );
+        let elsewhere = with(
+            PoolState::Elsewhere {
+                names: "vllm-epp".into(),
+                fix: "set its spec.endpointPickerRef to {name: chat-epp, port: {number: 9002}}"
+                    .into(),
+            },
+            false,
+        );
+        assert_eq!(
+            summary(&elsewhere),
+            "ResolvedRefs=True ResolvedRefs, Ready=False NotAttached, \
+             Reconciling=True NotAttached, Stalled=False NotAttached"
+        );
+        assert_eq!(
+            cond(&elsewhere, "Ready").message,
+            "InferencePool team-a/shared sends its requests to the EPP Service \"vllm-epp\", \
+             not to this policy's: set its spec.endpointPickerRef to \
+             {name: chat-epp, port: {number: 9002}}"
+        );
+        let served = with(PoolState::Served, false);
+        assert_eq!(
+            summary(&served),
+            "ResolvedRefs=True ResolvedRefs, Ready=True Ready, \
+             Reconciling=False Ready, Stalled=False Ready"
+        );
     }
 
     fn cond<'a>(s: &'a InferencePolicyStatus, type_: &str) -> &'a Condition {

@@ -37,7 +37,31 @@ pub struct InferencePolicySpec {
     /// EPP's Deployment and NetworkPolicy, never its policy hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint_picker: Option<EndpointPickerSpec>,
+    /// The existing InferencePool this policy serves, in place of `pool`
+    /// (Gateway API policy attachment: group `inference.networking.k8s.io`,
+    /// kind `InferencePool`, in the policy's namespace). The operator then
+    /// generates the EPP and its compiled policy only, never the pool or a
+    /// route; the pool's `endpointPickerRef` must name the EPP Service
+    /// `<policy>-epp` (the status says so when it does not).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1))]
+    pub target_refs: Vec<PolicyTargetReference>,
 }
+
+/// A Gateway API `LocalPolicyTargetReference`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyTargetReference {
+    #[schemars(length(max = 253))]
+    pub group: String,
+    #[schemars(length(min = 1, max = 63))]
+    pub kind: String,
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// The API group of the Inference Extension's InferencePool.
+pub const INFERENCE_POOL_GROUP: &str = "inference.networking.k8s.io";
 
 /// By hand rather than derived: a derived `flatten` buffers the whole spec
 /// in serde's generic form first, recursing into every value, so a predicate
@@ -57,11 +81,18 @@ impl<'de> Deserialize<'de> for InferencePolicySpec {
             .map(|raw| serde_json::from_str(raw.get()))
             .transpose()
             .map_err(|e| D::Error::custom(format!("endpointPicker: {e}")))?;
+        let target_refs = fields
+            .remove("targetRefs")
+            .map(|raw| serde_json::from_str(raw.get()))
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("targetRefs: {e}")))?
+            .unwrap_or_default();
         let rest = serde_json::to_string(&fields).map_err(D::Error::custom)?;
         let policy = serde_json::from_str(&rest).map_err(D::Error::custom)?;
         Ok(Self {
             policy,
             endpoint_picker,
+            target_refs,
         })
     }
 }
@@ -72,6 +103,17 @@ impl InferencePolicySpec {
         Self {
             policy,
             endpoint_picker: None,
+            target_refs: Vec::new(),
+        }
+    }
+
+    /// The InferencePool a policy is attached to: the name its one target
+    /// reference gives, whatever the reference's kind (the operator refuses
+    /// any other kind, with the path).
+    pub fn attached_pool(&self) -> Option<&str> {
+        match self.target_refs.as_slice() {
+            [target] => Some(&target.name),
+            _ => None,
         }
     }
 

@@ -16,9 +16,9 @@ pub use admission::{
 };
 pub use crd::{
     ClientCaRef, DEFAULT_KV_EVENTS_PORT, EndpointPickerSpec, EppLogFormat, EppNetworkPolicySpec,
-    FailureMode, InferencePolicy, InferencePolicySpec, InferencePolicyStatus,
-    MAX_DATA_PARALLEL_SIZE, MAX_EPP_REPLICAS, PrecisePrefixSpec, PublisherMode, TokenizerSource,
-    crd, crd_yaml,
+    FailureMode, INFERENCE_POOL_GROUP, InferencePolicy, InferencePolicySpec, InferencePolicyStatus,
+    MAX_DATA_PARALLEL_SIZE, MAX_EPP_REPLICAS, PolicyTargetReference, PrecisePrefixSpec,
+    PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use inference_pool::{

@@ -80,9 +80,9 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, Diagnostic> {
 
 /// Reads the policy out of one document.
 /// Fields of an InferencePolicy's spec that configure how the operator
-/// deploys the EPP, not the policy (see `kinference_api`): the policy's
-/// hash and its compiler never see them.
-pub const DEPLOYMENT_FIELDS: &[&str] = &["endpointPicker"];
+/// deploys the EPP and which existing pool it attaches to, not the policy
+/// (see `kinference_api`): the policy's hash and its compiler never see them.
+pub const DEPLOYMENT_FIELDS: &[&str] = &["endpointPicker", "targetRefs"];
 
 /// The policy part of an InferencePolicy's spec.
 fn policy_of_spec(spec: Option<&Json>) -> Json {
@@ -340,7 +340,7 @@ mod tests {
         let bare = crate::source::compile_text(policy).unwrap();
         let indented = policy.replace('\n', "\n  ");
         let wrapped = format!(
-            "apiVersion: kinference.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{ name: p }}\nspec:\n  endpointPicker: {{ networkPolicy: {{ enabled: false }} }}\n  {indented}"
+            "apiVersion: kinference.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{ name: p }}\nspec:\n  endpointPicker: {{ networkPolicy: {{ enabled: false }} }}\n  targetRefs: [{{ group: inference.networking.k8s.io, kind: InferencePool, name: vllm }}]\n  {indented}"
         );
         let compiled = crate::source::compile_text(&wrapped).unwrap();
         assert_eq!(

@@ -25,10 +25,11 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::attachment::{self, PoolState};
 use crate::cache::Caches;
 use crate::error::{Error, Verb};
 use crate::metrics::Metrics;
-use crate::resources::{self, EppSettings, FIELD_MANAGER, Names};
+use crate::resources::{self, EppSettings, FIELD_MANAGER, InferencePool, Names};
 use crate::status::{self, Acceptance, Observation};
 
 pub use apply::{Applier, prune};
@@ -141,13 +142,29 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     let prev = ctx.memory.status(&uid).or_else(|| policy.status.clone());
 
     let compiled = compile(&name, &policy.spec);
+    let pool = names
+        .attached_pool
+        .as_deref()
+        .and_then(|p| ctx.caches.inference_pool(&ns, p));
+    let attached = attachment::observe(
+        policy,
+        pool.as_deref(),
+        &ctx.caches.policies_in(&ns),
+        &names.epp(),
+    );
     // A failed apply still gets a status (Ready=False, ApplyFailed, naming
     // the object and the API server's message) before it is returned as the
     // reconcile's error, which retries it with backoff.
     let mut applied = Ok(());
     let acceptance = match &compiled {
         Ok(c) => {
-            applied = apply_all(ctx, policy, prev.as_ref(), &ns, &uid, c).await;
+            applied = match attached.as_ref().map(|a| &a.state) {
+                // Another policy holds the pool: nothing of this one runs.
+                // Retried with the error backoff, so it takes over soon
+                // after the other lets go.
+                Some(PoolState::Conflict { message }) => Err(Error::PoolTaken(message.clone())),
+                _ => apply_all(ctx, policy, prev.as_ref(), &ns, &uid, c, pool.as_deref()).await,
+            };
             Acceptance::Accepted {
                 hash: c.hash.clone(),
                 rules: c.rules.len(),
@@ -156,6 +173,7 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
                 warnings: kinference_policy::lint::warnings(c)
                     .iter()
                     .map(|w| format!("spec.{w}"))
+                    .chain(attachment::open_ext_proc_warning(&policy.spec, c))
                     .collect(),
             }
         }
@@ -167,7 +185,11 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     };
 
     let epp = observe::epp(&ctx.client, &ctx.caches, &ns, &names).await?;
-    let refs = observe::refs(&ctx.client, &ctx.caches, &ns, spec, &epp.secret_keys).await?;
+    let mut refs = observe::refs(&ctx.client, &ctx.caches, &ns, spec, &epp.secret_keys).await?;
+    refs.missing_pool = attached
+        .as_ref()
+        .filter(|a| a.state == PoolState::Missing)
+        .map(|a| a.pool.clone());
     let configured_hash = match acceptance {
         Acceptance::Rejected { .. } => observe::configured_hash(&ctx.client, &ns, &names).await?,
         Acceptance::Accepted { .. } => None,
@@ -184,11 +206,12 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
         configured_hash,
         apply_failure: applied.as_ref().err().map(|e| {
             let reason = match e {
-                Error::Conflict(_) => status::REASON_CONFLICT,
+                Error::Conflict(_) | Error::PoolTaken(_) => status::REASON_CONFLICT,
                 _ => status::REASON_APPLY_FAILED,
             };
             (reason, e.to_string())
         }),
+        attachment: attached,
     };
     let next = status::compute(prev.as_ref(), &observation, Timestamp::now());
     if prev.as_ref() != Some(&next) {
@@ -206,9 +229,6 @@ async fn reconcile_inner(policy: &InferencePolicy, ctx: &Context) -> Result<Acti
     }))
 }
 
-/// Why the operator refuses a rules-only policy.
-const POOL_REQUIRED: &str = "required: the operator creates the InferencePool from it (a rules-only policy serves an existing pool through `kinference-epp --pool-name`; attaching one with targetRefs is not supported yet)";
-
 /// Compiles the policy and checks the names it will generate and the EPP
 /// settings; every error as `path: message` with paths under `spec` (or
 /// `metadata`).
@@ -217,9 +237,7 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
         .iter()
         .map(ToString::to_string)
         .collect();
-    if spec.policy.pool.is_none() {
-        other_errors.push(format!("spec.pool: {POOL_REQUIRED}"));
-    }
+    other_errors.extend(attachment::errors(spec));
     if let Some(interval) = spec
         .endpoint_picker()
         .and_then(|e| e.scrape_interval.as_deref())
@@ -282,8 +300,9 @@ async fn apply_all(
     ns: &str,
     uid: &str,
     compiled: &CompiledPolicy,
+    attached: Option<&InferencePool>,
 ) -> Result<(), Error> {
-    let desired = resources::desired(policy, compiled, &ctx.epp);
+    let desired = resources::desired_for(policy, compiled, &ctx.epp, attached);
     // Before anything is applied: an oversized policy changes nothing.
     resources::check_config_map_size(&desired.config_map)?;
     let (d, c) = (&desired, &ctx.caches);
@@ -338,6 +357,16 @@ async fn apply_all(
             .collect(),
     );
     prune::<BackendTlsPolicy>(&a, &c.backend_tls_policies, ns, &name, &tls).await?;
+    // Declared before, attached now: the pool it made goes, unless it is
+    // the one it attaches to.
+    let pools = keep(
+        d.inference_pool
+            .iter()
+            .map(|p| p.name_any())
+            .chain(policy.spec.attached_pool().map(str::to_string))
+            .collect(),
+    );
+    prune::<InferencePool>(&a, &c.inference_pools, ns, &name, &pools).await?;
     let services = keep(d.service_names());
     prune::<Service>(&a, &c.services, ns, &name, &services).await?;
     // Disabled, or no gateway known any more.
@@ -499,18 +528,27 @@ mod tests {
     }
 
     /// The policy language takes a rules-only policy (its pool is the one
-    /// it serves); the operator, which writes the pool, needs it declared.
+    /// it serves); the operator needs the pool declared or attached to.
     #[test]
-    fn a_policy_without_its_pool_is_refused_with_the_reason() {
+    fn a_policy_without_its_pool_is_refused_unless_attached() {
         let mut policy = example_spec();
         policy.pool = None;
         assert!(kinference_policy::compile(&policy).is_ok());
-        let errors = compile("chat", &spec(policy)).unwrap_err();
-        assert_eq!(errors.len(), 1, "{errors:?}");
-        assert!(
-            errors[0].starts_with("spec.pool: required: the operator creates the InferencePool"),
-            "{errors:?}"
+        let errors = compile("chat", &spec(policy.clone())).unwrap_err();
+        assert_eq!(
+            errors,
+            [
+                "spec.pool: required unless spec.targetRefs names the existing InferencePool the policy serves"
+            ]
         );
+        policy.route = None;
+        let mut attached = spec(policy);
+        attached.target_refs = vec![kinference_api::PolicyTargetReference {
+            group: "inference.networking.k8s.io".into(),
+            kind: "InferencePool".into(),
+            name: "shared".into(),
+        }];
+        assert!(compile("chat", &attached).is_ok());
     }
 
     #[test]

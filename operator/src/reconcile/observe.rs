@@ -95,6 +95,7 @@ pub async fn refs(
         missing_secrets,
         unchecked_secrets,
         missing_gateways,
+        missing_pool: None,
     })
 }
 

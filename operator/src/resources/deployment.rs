@@ -150,6 +150,12 @@ pub fn deployment(
         // The Inference Extension's `inference_pool_*` series name the pool.
         format!("--metrics-pool-name={}", names.pool()),
     ];
+    // An attached policy has no pool of its own: the EPP follows the
+    // existing InferencePool's selector and target ports.
+    if let Some(pool) = &names.attached_pool {
+        args.push(format!("--pool-name={pool}"));
+        args.push(format!("--pool-namespace={ns}"));
+    }
     // The root filesystem is read-only; /tmp is the one writable place
     // (e.g. for a generated self-signed certificate).
     let mut mounts = vec![mount("tmp", "/tmp", false)];

@@ -136,7 +136,23 @@ impl Desired {
 /// Builds every object for `policy`, which must have a namespace and uid
 /// (it comes from the API server) and whose spec compiled to `compiled`.
 pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSettings) -> Desired {
+    desired_for(policy, compiled, epp, None)
+}
+
+/// [`desired`], for a policy attached to `attached` (the InferencePool it
+/// names, when it exists), whose selector picks the model servers.
+pub fn desired_for(
+    policy: &InferencePolicy,
+    compiled: &CompiledPolicy,
+    epp: &EppSettings,
+    attached: Option<&InferencePool>,
+) -> Desired {
     let names = Names::of(policy);
+    let engines = compiled
+        .pool
+        .as_ref()
+        .map(|p| &p.selector)
+        .or(attached.map(|p| &p.spec.selector.match_labels));
     let endpoints: Vec<(String, ProviderEndpoint)> = compiled
         .providers
         .iter()
@@ -151,7 +167,7 @@ pub fn desired(policy: &InferencePolicy, compiled: &CompiledPolicy, epp: &EppSet
         epp_service: epp_service(policy, &names),
         deployment: deployment(policy, &names, epp, compiled),
         pod_disruption_budget: pod_disruption_budget(policy, &names, epp.replicas_for(policy)),
-        network_policy: network_policy(policy, &names, compiled),
+        network_policy: network_policy(policy, &names, compiled, engines),
         provider_services: endpoints
             .iter()
             .map(|(name, e)| provider_service(policy, &names, name, e))
@@ -290,6 +306,22 @@ pub(crate) mod testing {
         (policy, compiled)
     }
 
+    /// The example attached to the existing InferencePool `shared`: no
+    /// pool, no route of its own.
+    pub fn example_attached() -> (InferencePolicy, CompiledPolicy) {
+        let mut spec = example_spec();
+        spec.pool = None;
+        spec.route = None;
+        let compiled = kinference_policy::compile(&spec).expect("attached example compiles");
+        let mut policy = example_policy(spec);
+        policy.spec.target_refs = vec![kinference_api::PolicyTargetReference {
+            group: "inference.networking.k8s.io".into(),
+            kind: "InferencePool".into(),
+            name: "shared".into(),
+        }];
+        (policy, compiled)
+    }
+
     /// The precise prefix settings of a policy made by [`example_precise`].
     pub fn precise_mut(policy: &mut InferencePolicy) -> &mut kinference_api::PrecisePrefixSpec {
         let picker = policy
@@ -352,6 +384,63 @@ mod tests {
         );
         // Only the https provider needs TLS origination.
         assert_eq!(d.backend_tls_policies.len(), 1);
+    }
+
+    #[test]
+    fn an_attached_policy_generates_its_epp_and_never_a_pool_or_a_route() {
+        let (mut policy, compiled) = example_attached();
+        let mut pool = InferencePool::new("shared", InferencePoolSpec::default());
+        pool.spec.selector.match_labels = [("app".to_string(), "vllm-shared".to_string())].into();
+        let d = desired_for(&policy, &compiled, &settings(), Some(&pool));
+        assert!(d.inference_pool.is_none());
+        assert!(d.http_route.is_none());
+        let pod = d.deployment.spec.unwrap().template.spec.unwrap();
+        let args = pod.containers[0].args.clone().unwrap();
+        for arg in [
+            "--pool-name=shared",
+            "--pool-namespace=team-a",
+            "--metrics-pool-name=shared",
+        ] {
+            assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
+        }
+        // The EPP may read that pool, and no other.
+        let rules = d.role.rules.unwrap();
+        let pools: Vec<_> = rules
+            .iter()
+            .filter(|r| r.resources.as_deref() == Some(&["inferencepools".to_string()]))
+            .collect();
+        assert_eq!(pools.len(), 1, "{rules:?}");
+        assert_eq!(
+            pools[0].api_groups.as_deref(),
+            Some(&["inference.networking.k8s.io".to_string()][..])
+        );
+        assert_eq!(pools[0].verbs, ["list", "watch"]);
+        assert_eq!(pools[0].resource_names, Some(vec!["shared".to_string()]));
+        // No gateway known: no NetworkPolicy unless extProcFrom names one;
+        // then, in precise mode, the events port admits the pool's Pods.
+        assert!(d.network_policy.is_none());
+        policy.spec.endpoint_picker = example_precise().0.spec.endpoint_picker;
+        let picker = policy.spec.endpoint_picker.as_mut().unwrap();
+        picker.network_policy = Some(
+            serde_json::from_value(serde_json::json!({
+                "extProcFrom": [{"podSelector": {"matchLabels": {"gateway": "envoy"}}}]
+            }))
+            .unwrap(),
+        );
+        let np = desired_for(&policy, &compiled, &settings(), Some(&pool))
+            .network_policy
+            .unwrap();
+        let events = &np.spec.unwrap().ingress.unwrap()[2];
+        let from = events.from.as_ref().unwrap()[0]
+            .pod_selector
+            .clone()
+            .unwrap();
+        assert_eq!(from.match_labels.unwrap()["app"], "vllm-shared");
+        // Pool not there yet: the events port stays closed.
+        let np = desired_for(&policy, &compiled, &settings(), None)
+            .network_policy
+            .unwrap();
+        assert_eq!(np.spec.unwrap().ingress.unwrap().len(), 2);
     }
 
     #[test]

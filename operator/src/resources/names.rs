@@ -20,25 +20,32 @@ pub const MAX_PROVIDERS_WITH_ROUTE: usize = 15;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Names {
     pub policy: String,
+    /// The existing InferencePool an attached policy serves.
+    pub attached_pool: Option<String>,
 }
 
 impl Names {
     pub fn of(policy: &InferencePolicy) -> Self {
         Self {
             policy: policy.name_any(),
+            attached_pool: policy.spec.attached_pool().map(str::to_string),
         }
     }
 
     pub fn new(policy: impl Into<String>) -> Self {
         Self {
             policy: policy.into(),
+            attached_pool: None,
         }
     }
 
-    /// The InferencePool takes the policy's name: it is what a Gateway
+    /// The pool an attached policy names; otherwise the policy's own name,
+    /// which the InferencePool it generates takes: it is what a Gateway
     /// operator sees in `kubectl get inferencepools`.
     pub fn pool(&self) -> String {
-        self.policy.clone()
+        self.attached_pool
+            .clone()
+            .unwrap_or_else(|| self.policy.clone())
     }
 
     pub fn route(&self) -> String {

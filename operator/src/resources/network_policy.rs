@@ -51,6 +51,7 @@ pub fn network_policy(
     policy: &InferencePolicy,
     names: &Names,
     compiled: &CompiledPolicy,
+    engines: Option<&BTreeMap<String, String>>,
 ) -> Option<NetworkPolicy> {
     let settings = policy.spec.network_policy();
     if !settings.enabled {
@@ -104,13 +105,9 @@ pub fn network_policy(
         .precise_prefix()
         .filter(|p| p.epp_listens())
         .and_then(|p| {
-            let declared = compiled.pool.as_ref()?;
             let pool = NetworkPolicyPeer {
                 pod_selector: Some(match_labels(
-                    declared
-                        .selector
-                        .iter()
-                        .map(|(k, v)| (k.as_str(), v.as_str())),
+                    engines?.iter().map(|(k, v)| (k.as_str(), v.as_str())),
                 )),
                 ..NetworkPolicyPeer::default()
             };
@@ -185,6 +182,13 @@ fn match_labels<'a>(labels: impl IntoIterator<Item = (&'a str, &'a str)>) -> Lab
 
 #[cfg(test)]
 mod tests {
+    /// The declared pool's selector, as `desired` passes it.
+    fn engines(
+        compiled: &kinference_policy::CompiledPolicy,
+    ) -> Option<&std::collections::BTreeMap<String, String>> {
+        compiled.pool.as_ref().map(|p| &p.selector)
+    }
+
     use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
     use kinference_api::{EndpointPickerSpec, EppNetworkPolicySpec};
     use serde_json::json;
@@ -200,7 +204,7 @@ mod tests {
             network_policy: Some(np),
             ..EndpointPickerSpec::default()
         });
-        network_policy(&policy, &Names::of(&policy), &compiled)
+        network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled))
     }
 
     /// Port → the peers admitted to it, as JSON.
@@ -219,7 +223,8 @@ mod tests {
     #[test]
     fn precise_prefix_admits_only_the_pools_pods_to_the_events_port() {
         let (policy, compiled) = example_precise();
-        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let np =
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).unwrap();
         let events: Vec<_> = admitted(&np)
             .into_iter()
             .filter(|(port, _)| *port == 5600)
@@ -233,7 +238,8 @@ mod tests {
             )]
         );
         let (policy, compiled) = example();
-        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let np =
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).unwrap();
         assert_eq!(admitted(&np).len(), 2, "no events rule when off");
     }
 
@@ -241,7 +247,8 @@ mod tests {
     fn when_the_engines_bind_no_one_is_admitted_to_an_events_port() {
         let (mut policy, compiled) = example_precise();
         precise_mut(&mut policy).publisher_mode = Some(kinference_api::PublisherMode::Bind);
-        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let np =
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).unwrap();
         let ports: Vec<i64> = admitted(&np).into_iter().map(|(port, _)| port).collect();
         assert_eq!(ports, [9002, 9090]);
     }
@@ -250,7 +257,8 @@ mod tests {
     fn data_parallel_ranks_are_admitted_to_a_range_of_events_ports() {
         let (mut policy, compiled) = example_precise();
         precise_mut(&mut policy).data_parallel_size = Some(4);
-        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let np =
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).unwrap();
         let spec = serde_json::to_value(np.spec.unwrap()).unwrap();
         let ports: Vec<&serde_json::Value> = spec["ingress"]
             .as_array()
@@ -332,7 +340,8 @@ mod tests {
         spec.route.as_mut().unwrap().parent_refs[0].namespace = None;
         let compiled = kinference_policy::compile(&spec).unwrap();
         let policy = example_policy(spec);
-        let np = network_policy(&policy, &Names::of(&policy), &compiled).unwrap();
+        let np =
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).unwrap();
         let (port, from) = &admitted(&np)[0];
         assert_eq!(*port, 9002);
         assert_eq!(
@@ -387,6 +396,8 @@ mod tests {
         spec.route = None;
         let compiled = kinference_policy::compile(&spec).unwrap();
         let policy = example_policy(spec);
-        assert!(network_policy(&policy, &Names::of(&policy), &compiled).is_none());
+        assert!(
+            network_policy(&policy, &Names::of(&policy), &compiled, engines(&compiled)).is_none()
+        );
     }
 }

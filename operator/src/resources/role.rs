@@ -6,7 +6,7 @@
 //! ClusterRole: keeping these rules small keeps the operator's small too.
 
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role};
-use kinference_api::InferencePolicy;
+use kinference_api::{INFERENCE_POOL_GROUP, InferencePolicy};
 
 use super::deployment::epp_object_labels;
 use super::{Names, object_meta};
@@ -19,7 +19,7 @@ pub fn role(policy: &InferencePolicy, names: &Names) -> Role {
         resource_names,
         ..PolicyRule::default()
     };
-    let rules = vec![
+    let mut rules = vec![
         // The EPP discovers model-server Pods by the pool selector.
         rule("pods", &["get", "list", "watch"], None),
         // Only its own policy ConfigMap. (list/watch with resourceNames work
@@ -37,6 +37,16 @@ pub fn role(policy: &InferencePolicy, names: &Names) -> Role {
         // of the namespace (images included).
         rule("configmaps", &["patch"], Some(vec![names.epp_status()])),
     ];
+    // An attached policy's EPP reads its pool (list and watch by name).
+    if let Some(pool) = &names.attached_pool {
+        rules.push(PolicyRule {
+            api_groups: Some(vec![INFERENCE_POOL_GROUP.into()]),
+            resources: Some(vec!["inferencepools".into()]),
+            verbs: vec!["list".into(), "watch".into()],
+            resource_names: Some(vec![pool.clone()]),
+            ..PolicyRule::default()
+        });
+    }
     // No Secrets: provider keys are projected into the Pod as files (see
     // deployment.rs), which needs no RBAC.
     Role {
