@@ -27,6 +27,7 @@ use anyhow::{Context as _, Result, anyhow, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kinference_api::{EppPodStatus, InferencePolicy};
 use kinference_e2e::cluster::yaml_documents_to_json;
 use kinference_e2e::node::images::{ImageConfig, LayerFile};
@@ -34,8 +35,8 @@ use kinference_e2e::node::workspace_images::{self, Dockerfile, repo_root};
 use kinference_e2e::node::{self, RealCluster};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
 use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, LogParams, Patch,
-    PatchParams, ValidationDirective,
+    Api, ApiResource, DeleteParams, DynamicObject, EvictParams, GroupVersionKind, ListParams,
+    LogParams, Patch, PatchParams, ValidationDirective,
 };
 use kube::discovery::{Discovery, Scope, verbs};
 use kube::{Client, ResourceExt};
@@ -163,6 +164,11 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     step(start, "policy edited, no request failed");
     s.replace_epp_pod(&gateway, &pinned).await?;
     step(start, "EPP Pod replaced, requests resumed");
+    s.lose_epp_replicas_under_load(&gateway, &pinned).await?;
+    step(
+        start,
+        "two EPP replicas: deletion, eviction and a rolling update fail no request",
+    );
     let pinned = s.scale_simulators(&gateway, &pods).await?;
     step(start, "new simulator Pod served");
     s.turn_on_precise_prefix(&gateway, &pinned).await?;
@@ -432,6 +438,110 @@ impl Scenario {
             during.len()
         );
         Ok(())
+    }
+
+    /// Two EPP replicas behind Envoy, a steady stream of requests, and
+    /// every disruption an SRE causes on purpose: one replica deleted (it
+    /// turns not Ready, keeps serving while the Service moves, then drains),
+    /// one evicted through the PodDisruptionBudget (which then allows no
+    /// other until the replacement is Ready), and a rolling update of the Deployment (a policy
+    /// setting that changes the Pod template). Each must fail no request;
+    /// each waits until the old Pod is gone, so its whole drain is counted.
+    async fn lose_epp_replicas_under_load(&self, gateway: &Gateway, pinned: &str) -> Result<()> {
+        let mut policy = pinned_policy(pinned)?;
+        policy["spec"]["endpointPicker"]["replicas"] = json!(2);
+        self.apply_all(&[policy.clone()]).await?;
+        let pods = self.wait_epp_replicas(2, &[]).await?;
+        gateway.wait_until_serving().await?;
+
+        let deleted = pods[0].name_any();
+        let load = Load::start(gateway);
+        self.pods(DEMO_NS)
+            .delete(&deleted, &DeleteParams::default())
+            .await?;
+        let pods = self.wait_epp_replicas(2, &[&deleted]).await?;
+        let deletion = Self::expect_no_failure(load, "deleting an EPP replica").await?;
+
+        let load = Load::start(gateway);
+        let evicted = pods[0].name_any();
+        let evictions = self.pods(DEMO_NS);
+        // The disruption controller computes the budget once both are Ready.
+        eventually("the budget to allow one eviction", || async {
+            match evictions.evict(&evicted, &EvictParams::default()).await {
+                Ok(_) => Ok(Some(())),
+                Err(e) => Err(anyhow!("evicting {evicted}: {e}")),
+            }
+        })
+        .await?;
+        // What `kubectl drain` reads before its next eviction: none allowed
+        // while the evicted replica is down.
+        let budgets = Api::<PodDisruptionBudget>::namespaced(self.client.clone(), DEMO_NS);
+        let budget = budgets.get(&format!("{POLICY}-epp")).await?.status;
+        ensure!(
+            budget
+                .as_ref()
+                .is_some_and(|b| b.disruptions_allowed == Some(0)),
+            "the budget after one eviction: {budget:?}"
+        );
+        self.wait_epp_replicas(2, &[&evicted]).await?;
+        let eviction = Self::expect_no_failure(load, "evicting an EPP replica").await?;
+
+        let load = Load::start(gateway);
+        policy["spec"]["endpointPicker"]["scrapeInterval"] = json!("100ms");
+        self.apply_all(&[policy]).await?;
+        let rolled = eventually("the EPP rolled out with the new template", || async {
+            let pods = self.epp_pods().await?;
+            let new = |p: &Pod| {
+                p.spec.as_ref().is_some_and(|s| {
+                    s.containers[0]
+                        .args
+                        .iter()
+                        .flatten()
+                        .any(|a| a == "--scrape-interval-ms=100")
+                })
+            };
+            let done = pods.len() == 2 && pods.iter().all(|p| new(p) && is_ready(p));
+            Ok(done.then_some(pods))
+        })
+        .await?;
+        let names: Vec<String> = rolled.iter().map(ResourceExt::name_any).collect();
+        self.wait_epp_replicas(2, &[]).await?;
+        let rollout = Self::expect_no_failure(load, "a rolling update of the EPP").await?;
+        eprintln!(
+            "  two EPP replicas, requests answered / failed: deletion {deletion}/0, \
+             eviction {eviction}/0 (the budget then allowing none), rolling update \
+             {rollout}/0 (now {names:?})"
+        );
+        Ok(())
+    }
+
+    /// Waits until the policy's EPP has exactly `count` Pods, all Ready and
+    /// serving the policy's hash, none of them named in `gone`.
+    async fn wait_epp_replicas(&self, count: usize, gone: &[&str]) -> Result<Vec<Pod>> {
+        let pods = eventually(&format!("{count} EPP replicas"), || async {
+            let pods = self.epp_pods().await?;
+            let settled = pods.len() == count
+                && pods.iter().all(is_ready)
+                && pods.iter().all(|p| !gone.contains(&p.name_any().as_str()));
+            Ok(settled.then_some(pods))
+        })
+        .await?;
+        self.wait_policy_loaded().await?;
+        Ok(pods)
+    }
+
+    /// Stops `load`; fails unless every request was answered 200. Returns
+    /// how many were sent.
+    async fn expect_no_failure(load: Load, what: &str) -> Result<usize> {
+        let sent = load.stop().await?;
+        let failed: Vec<&Sent> = sent.iter().filter(|s| s.status != 200).collect();
+        ensure!(
+            failed.is_empty(),
+            "{what}: {} of {} requests failed: {failed:?}",
+            failed.len(),
+            sent.len()
+        );
+        Ok(sent.len())
     }
 
     /// Scale the simulators to 3: the EPP discovers the new Pod, and a
