@@ -702,19 +702,10 @@ async fn a_policy_attached_to_an_existing_pool_gets_its_epp_and_leaves_the_pool_
             .await
             .is_ok()
     );
-    assert!(
-        routes(&client)
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-    );
+    let all = ListParams::default();
+    assert!(routes(&client).list(&all).await?.items.is_empty());
     assert_eq!(
-        pools(&client)
-            .list(&ListParams::default())
-            .await?
-            .items
-            .len(),
+        pools(&client).list(&all).await?.items.len(),
         1,
         "a pool was written"
     );
@@ -746,13 +737,7 @@ async fn a_policy_attached_to_an_existing_pool_gets_its_epp_and_leaves_the_pool_
         .await?;
     wait_condition(&policies, "chat", "Ready", "True").await?;
     let pool = pools(&client).get("shared").await?;
-    let managers: Vec<String> = pool
-        .metadata
-        .managed_fields
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|m| m.manager)
-        .collect();
+    let managers = kinference_e2e::field_managers(&pool.metadata);
     assert!(
         !managers.iter().any(|m| m == "kinference-operator"),
         "the operator wrote the pool: {managers:?}"

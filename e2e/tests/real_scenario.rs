@@ -706,15 +706,7 @@ impl Scenario {
                 "inferencepools",
             ),
         );
-        let managers: Vec<String> = pools
-            .get(TEAM_POOL)
-            .await?
-            .metadata
-            .managed_fields
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|m| m.manager)
-            .collect();
+        let managers = kinference_e2e::field_managers(&pools.get(TEAM_POOL).await?.metadata);
         ensure!(
             managers == [FIELD_MANAGER],
             "the team's pool was written by {managers:?}"
