@@ -10,9 +10,12 @@
 //! simulator Pods and reports the hash; Envoy, configured from the
 //! InferencePool, reaches the EPP through its Service's ClusterIP and the
 //! Pod the policy chose; a policy edit under load fails no request; a
-//! deleted EPP Pod is replaced and requests resume; a new simulator Pod gets
-//! traffic; precise prefix mode rolls the EPP out with its tokenizer
-//! mounted from an image volume, and prompts are tokenized; printer columns come from the server; deleting the policy lets
+//! deleted EPP Pod is replaced and requests resume; with two EPP replicas, a
+//! deletion, an eviction and a rolling update fail no request; a new
+//! simulator Pod gets traffic; precise prefix mode rolls the EPP out with its tokenizer
+//! mounted from an image volume, and prompts are tokenized; a policy
+//! attached to a team's own InferencePool serves it; the reference EPP's
+//! Deployment is switched to ours under load; printer columns come from the server; deleting the policy lets
 //! the garbage collector remove everything it owned, and nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,7 +33,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kinference_api::{EppPodStatus, InferencePolicy};
 use kinference_e2e::cluster::yaml_documents_to_json;
-use kinference_e2e::node::images::{ImageConfig, LayerFile};
+use kinference_e2e::node::images::{ImageConfig, LayerFile, binary_with_libraries};
 use kinference_e2e::node::workspace_images::{self, Dockerfile, repo_root};
 use kinference_e2e::node::{self, RealCluster};
 use kinference_testbed::envoy::{AccessRecord, Bootstrap, Envoy, Template};
@@ -143,6 +146,7 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     // Hundreds of MB written and imported: off the async workers' hands.
     tokio::task::block_in_place(|| {
         workspace_images::import_all(cluster, release)?;
+        import_reference_epp_image(cluster)?;
         import_tokenizer_image(cluster)
     })?;
     step(start, "images imported");
@@ -178,6 +182,11 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     );
     s.attach_to_an_existing_pool().await?;
     step(start, "a policy attached to the team's own pool serves it");
+    s.swap_the_reference_epp_for_ours().await?;
+    step(
+        start,
+        "the reference EPP's Deployment switched to ours, no request failed",
+    );
     s.check_printer_columns().await?;
     s.delete_policy().await?;
     step(start, "policy deleted, owned objects collected");
@@ -721,6 +730,85 @@ impl Scenario {
         Ok(())
     }
 
+    /// A pool served the way the Inference Extension's chart serves it: the
+    /// reference EPP (v1.5.0, built from the Go module proxy, as an image)
+    /// in a Deployment with the chart's ports, probes and Role, behind its
+    /// own Envoy. Under a steady stream of requests the Deployment's image
+    /// and arguments are switched to ours (`--pool-name`, nothing else):
+    /// the default rolling update replaces the Pod, and no request fails.
+    /// Afterwards the EPP that answers is ours (it names its rule).
+    async fn swap_the_reference_epp_for_ours(&self) -> Result<()> {
+        let docs = reference_epp_manifests()?;
+        self.apply_all(&docs).await?;
+        let selector = "app=vllm-epp";
+        let reference = self.wait_ready_pod(DEMO_NS, selector).await?;
+        let service = Api::<Service>::namespaced(self.client.clone(), DEMO_NS)
+            .get(REFERENCE_EPP)
+            .await?;
+        let ip = service
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .context("the reference EPP's Service has no ClusterIP")?;
+        let gateway = Gateway::in_front_of(SocketAddr::new(ip.parse()?, 9002)).await?;
+        gateway.wait_until_serving().await?;
+        let before = gateway.send().await?;
+        let record = gateway.access(&before).await?;
+        ensure!(
+            before.status == 200 && record.rule.is_none(),
+            "the reference EPP's answer: {} {record:?}",
+            before.status
+        );
+
+        let load = Load::start(&gateway);
+        let switch = json!({ "spec": { "template": { "spec": { "containers": [{
+            "name": "epp",
+            "image": workspace_images::EPP.reference,
+            "args": ["--pool-name", REFERENCE_POOL, "--pool-namespace", DEMO_NS],
+        }] } } } });
+        Api::<Deployment>::namespaced(self.client.clone(), DEMO_NS)
+            .patch(
+                REFERENCE_EPP,
+                &PatchParams::default(),
+                &Patch::Strategic(switch),
+            )
+            .await?;
+        let ours = eventually("our EPP to replace the reference's", || async {
+            let pods = self
+                .pods(DEMO_NS)
+                .list(&ListParams::default().labels(selector))
+                .await?
+                .items;
+            let ours = |p: &Pod| {
+                p.spec.as_ref().is_some_and(|s| {
+                    s.containers[0].image.as_deref() == Some(workspace_images::EPP.reference)
+                })
+            };
+            let done = pods.len() == 1 && ours(&pods[0]) && is_ready(&pods[0]);
+            Ok(done.then(|| pods[0].clone()))
+        })
+        .await?;
+        let answered = Self::expect_no_failure(load, "switching the reference EPP to ours").await?;
+        let after = gateway.send_many(3).await?;
+        for sent in &after {
+            let record = gateway.access(sent).await?;
+            ensure!(
+                sent.status == 200 && record.rule.as_deref() == Some("default"),
+                "after the switch: {} {record:?}",
+                sent.status
+            );
+        }
+        gateway.envoy.stop().await;
+        Api::<Deployment>::namespaced(self.client.clone(), DEMO_NS)
+            .delete(REFERENCE_EPP, &DeleteParams::default())
+            .await?;
+        eprintln!(
+            "  {} (reference v1.5.0) replaced by {} (ours): {answered} requests, none failed",
+            reference.name_any(),
+            ours.name_any()
+        );
+        Ok(())
+    }
+
     /// `kubectl get inferencepolicy`: the CRD's printer columns, as the API
     /// server computes them (a Table request).
     async fn check_printer_columns(&self) -> Result<()> {
@@ -911,7 +999,16 @@ impl Gateway {
         let epp = epp_address(s).await?;
         let bootstrap = Bootstrap::new(Template::Streamed, epp);
         check_gateway_config(s, &bootstrap, epp).await?;
-        let envoy = Envoy::start(&bootstrap).await?;
+        Self::with_bootstrap(&bootstrap, epp).await
+    }
+
+    /// Envoy in front of the EPP at `epp` (a Service's ClusterIP and port).
+    async fn in_front_of(epp: SocketAddr) -> Result<Self> {
+        Self::with_bootstrap(&Bootstrap::new(Template::Streamed, epp), epp).await
+    }
+
+    async fn with_bootstrap(bootstrap: &Bootstrap, epp: SocketAddr) -> Result<Self> {
+        let envoy = Envoy::start(bootstrap).await?;
         Ok(Self {
             envoy,
             epp,
@@ -1419,6 +1516,122 @@ fn pinned_policy(pod: &str) -> Result<Value> {
         }),
     );
     Ok(policy)
+}
+
+/// The reference EPP's Deployment, Service and pool names.
+const REFERENCE_EPP: &str = "vllm-epp";
+const REFERENCE_POOL: &str = "vllm";
+const REFERENCE_IMAGE: &str = "kinference.local/gie-epp:v1.5.0";
+
+/// The reference EPP (`bench/peers/install.sh gie-epp`) as an image: the
+/// binary at `/epp` with the libraries it links, run as nonroot.
+fn import_reference_epp_image(cluster: &RealCluster) -> Result<()> {
+    let binary = kinference_testbed::peers::peer("gie-epp", "KINFERENCE_GIE_EPP")?;
+    let files = binary_with_libraries(&binary, "/epp")?;
+    let config = ImageConfig {
+        entrypoint: vec!["/epp".into()],
+        user: Some("65532".into()),
+        exposed_ports: ["9002/tcp", "9003/tcp", "9090/tcp"]
+            .map(String::from)
+            .to_vec(),
+        ..ImageConfig::default()
+    };
+    cluster.build_image(
+        &workspace_images::normalized_reference(REFERENCE_IMAGE),
+        &files,
+        &config,
+    )?;
+    Ok(())
+}
+
+/// What the Inference Extension's `inferencepool` chart (v1.5.0) installs
+/// for one pool with one EPP replica: the pool (over the simulators), the
+/// EPP's ServiceAccount, Role and RoleBinding, its Service and Deployment
+/// (the chart's arguments, ports and gRPC probes).
+fn reference_epp_manifests() -> Result<Vec<Value>> {
+    let meta = |name: &str| json!({ "name": name, "namespace": DEMO_NS });
+    Ok(vec![
+        json!({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": meta(REFERENCE_POOL),
+            "spec": {
+                "selector": { "matchLabels": { "app": SIM } },
+                "targetPorts": [{ "number": 8000 }],
+                "endpointPickerRef": { "name": REFERENCE_EPP, "port": { "number": 9002 } }
+            }
+        }),
+        json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(REFERENCE_EPP) }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": meta(REFERENCE_EPP),
+            "rules": [
+                { "apiGroups": ["inference.networking.x-k8s.io"],
+                  "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+                  "verbs": ["get", "watch", "list"] },
+                { "apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+                  "verbs": ["get", "watch", "list"] },
+                { "apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"] }
+            ]
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": meta(REFERENCE_EPP),
+            "subjects": [{ "kind": "ServiceAccount", "name": REFERENCE_EPP, "namespace": DEMO_NS }],
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": REFERENCE_EPP }
+        }),
+        json!({
+            "apiVersion": "v1", "kind": "Service", "metadata": meta(REFERENCE_EPP),
+            "spec": {
+                "selector": { "app": REFERENCE_EPP },
+                "ports": [
+                    { "name": "grpc-ext-proc", "port": 9002, "protocol": "TCP", "appProtocol": "http2" },
+                    { "name": "http-metrics", "port": 9090, "protocol": "TCP" }
+                ]
+            }
+        }),
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(REFERENCE_EPP),
+            "spec": {
+                "replicas": 1,
+                "selector": { "matchLabels": { "app": REFERENCE_EPP } },
+                "template": {
+                    "metadata": { "labels": { "app": REFERENCE_EPP } },
+                    "spec": {
+                        "serviceAccountName": REFERENCE_EPP,
+                        "terminationGracePeriodSeconds": 130,
+                        "containers": [{
+                            "name": "epp",
+                            "image": REFERENCE_IMAGE,
+                            "imagePullPolicy": "IfNotPresent",
+                            "args": [
+                                "--pool-name", REFERENCE_POOL, "--pool-namespace", DEMO_NS,
+                                "--pool-group", "inference.networking.k8s.io",
+                                "--zap-encoder", "json", "--tracing=false",
+                                "--metrics-endpoint-auth=false"
+                            ],
+                            "ports": [
+                                { "name": "grpc", "containerPort": 9002 },
+                                { "name": "grpc-health", "containerPort": 9003 },
+                                { "name": "metrics", "containerPort": 9090 }
+                            ],
+                            "livenessProbe": {
+                                "grpc": { "port": 9003, "service": "inference-extension" },
+                                "initialDelaySeconds": 5, "periodSeconds": 10
+                            },
+                            "readinessProbe": {
+                                "grpc": { "port": 9003, "service": "inference-extension" },
+                                "periodSeconds": 2
+                            },
+                            "env": [
+                                { "name": "NAMESPACE", "valueFrom": { "fieldRef": { "fieldPath": "metadata.namespace" } } },
+                                { "name": "POD_NAME", "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }
+                            ]
+                        }]
+                    }
+                }
+            }
+        }),
+    ])
 }
 
 /// The tokenizer image of precise prefix mode: Qwen3's `tokenizer.json`
