@@ -1,6 +1,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod helm;
 pub mod kstatus;
 pub mod kubelet;
 pub mod node;
