@@ -7,7 +7,7 @@
 #      Extension InferencePool CRD (v1.6.0): the files in e2e/fixtures/crds/
 #   4. install agentgateway (Helm, inference extension enabled) as the
 #      Gateway implementation
-#   5. install our CRD and the operator (kubectl apply -k kustomize/overlays/kind)
+#   5. install our CRD and the operator (helm install charts/kinference)
 #   6. deploy the scenario in e2e/kind/: simulator Pods, a Gateway, an
 #      InferencePolicy; wait until the policy is Ready
 #   7. send the request of e2e/kind/smoke-request.env through the gateway
@@ -170,11 +170,14 @@ install_gateway() {
 }
 
 install_operator() {
-  log "Installing the InferencePolicy CRD (crds/)"
-  k apply --server-side -f "${REPO_ROOT}/crds/"
+  log "Installing the CRD and the operator (Helm: charts/kinference, ci/kind-values.yaml)"
+  k create namespace "${OPERATOR_NS}" --dry-run=client -o yaml | k apply -f -
+  k label namespace "${OPERATOR_NS}" --overwrite pod-security.kubernetes.io/enforce=restricted
+  helm upgrade --install kinference "${REPO_ROOT}/charts/kinference" \
+    --kube-context "${CTX}" --namespace "${OPERATOR_NS}" \
+    --values "${REPO_ROOT}/charts/kinference/ci/kind-values.yaml" \
+    --wait --timeout "${WAIT_TIMEOUT}"
   k wait --for=condition=Established --timeout="${WAIT_TIMEOUT}" crd/inferencepolicies.kinference.io
-  log "Installing the operator (kustomize/overlays/kind)"
-  k apply -k "${REPO_ROOT}/kustomize/overlays/kind"
   k -n "${OPERATOR_NS}" rollout status deployment/kinference-operator --timeout="${WAIT_TIMEOUT}"
 }
 

@@ -152,6 +152,9 @@ pub struct StartOptions {
     /// otherwise be given twice); others are appended. Kept for
     /// [`TestCluster::start_apiserver`].
     pub extra_apiserver_args: Vec<String>,
+    /// Install only the upstream fixture CRDs, not the project's (`crds/`):
+    /// for a test that installs them itself, as a user would (`helm install`).
+    pub skip_project_crds: bool,
 }
 
 /// The audit policy of [`StartOptions::audit_log`]: request metadata only
@@ -228,7 +231,7 @@ impl TestCluster {
         let cluster = Self::start_without_crds_with(&options).await?;
         cluster.install_crds_from_dir(&fixture_crds_dir()).await?;
         let project = project_crds_dir();
-        if project.is_dir() {
+        if project.is_dir() && !options.skip_project_crds {
             cluster.install_crds_from_dir(&project).await?;
         }
         Ok(cluster)

@@ -646,15 +646,27 @@ fn overlays_patch_what_the_base_has() -> Result<()> {
             "overlay namespaced: patch target {t} not in manifests/"
         );
     }
-    // The kind overlay is the one e2e/kind.sh installs, with the images it loads.
+    // The kind overlay, and the chart's kind values that e2e/kind.sh
+    // installs, run the images it loads.
     let kind = read_kustomization("kustomize/overlays/kind")?;
     let text = serde_json::to_string(&kind)?;
     for needle in ["kinference/operator", "kinference/epp:dev", "IfNotPresent"] {
         ensure!(text.contains(needle), "kind overlay does not set {needle}");
     }
+    let values = std::fs::read_to_string(root.join("charts/kinference/ci/kind-values.yaml"))?;
+    for needle in [
+        "repository: kinference/operator",
+        "tag: dev",
+        "image: kinference/epp:dev",
+    ] {
+        ensure!(
+            values.contains(needle),
+            "the chart's kind values do not set {needle}"
+        );
+    }
     let script = std::fs::read_to_string(root.join("e2e/kind.sh"))?;
     for needle in [
-        "kustomize/overlays/kind",
+        "charts/kinference/ci/kind-values.yaml",
         "kinference/operator:dev",
         "kinference/epp:dev",
         "kinference/sim:dev",

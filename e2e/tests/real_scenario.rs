@@ -1,6 +1,6 @@
 //! The user's scenario of `e2e/kind.sh`, end to end as real Pods on a real
-//! node (`kinference_e2e::node`): the same manifests (`kustomize/overlays/kind`
-//! rendered by `kubectl kustomize`, then `e2e/kind/*.yaml`) and the same
+//! node (`kinference_e2e::node`): the same install (`helm install` of
+//! `charts/kinference` with `ci/kind-values.yaml`, then `e2e/kind/*.yaml`) and the same
 //! request (`e2e/kind/smoke-request.env`), with the workspace's release
 //! binaries as images, real Envoy on the host in place of agentgateway, and
 //! the real controllers, kubelet and kube-proxy. Needs root and kubectl.
@@ -9,7 +9,8 @@
 //! and the policy are deployed; the EPP Pod loads the policy, discovers the
 //! simulator Pods and reports the hash; Envoy, configured from the
 //! InferencePool, reaches the EPP through its Service's ClusterIP and the
-//! Pod the policy chose; a policy edit under load fails no request; a
+//! Pod the policy chose; a `helm upgrade` rolls the operator and keeps the
+//! policy; a policy edit under load fails no request; a
 //! deleted EPP Pod is replaced and requests resume; with two EPP replicas, a
 //! deletion, an eviction and a rolling update fail no request; a new
 //! simulator Pod gets traffic; precise prefix mode rolls the EPP out with its tokenizer
@@ -33,6 +34,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kinference_api::{EppPodStatus, InferencePolicy};
 use kinference_e2e::cluster::yaml_documents_to_json;
+use kinference_e2e::helm;
 use kinference_e2e::node::images::{ImageConfig, LayerFile, binary_with_libraries};
 use kinference_e2e::node::workspace_images::{self, Dockerfile, repo_root};
 use kinference_e2e::node::{self, RealCluster};
@@ -92,7 +94,8 @@ fn kind_sh_shares_the_scenario() -> Result<()> {
         "source \"${SCRIPT_DIR}/kind/smoke-request.env\"".to_owned(),
         "\"${SMOKE_BODY}\"".to_owned(),
         "${SMOKE_PATH}".to_owned(),
-        "k apply -k \"${REPO_ROOT}/kustomize/overlays/kind\"".to_owned(),
+        "helm upgrade --install kinference \"${REPO_ROOT}/charts/kinference\"".to_owned(),
+        "--values \"${REPO_ROOT}/charts/kinference/ci/kind-values.yaml\"".to_owned(),
         "k apply -f \"${REPO_ROOT}/e2e/kind/\"".to_owned(),
     ];
     let kind_vars = ["OPERATOR_IMAGE", "EPP_IMAGE", "SIM_IMAGE"];
@@ -150,7 +153,7 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
         import_tokenizer_image(cluster)
     })?;
     step(start, "images imported");
-    let s = Scenario::new(cluster).await?;
+    let mut s = Scenario::new(cluster).await?;
     s.install_operator().await?;
     step(start, "operator Ready and leading");
     s.deploy_scenario().await?;
@@ -163,6 +166,8 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     step(start, "the gateway reaches the EPP");
     gateway.smoke_request(&pods).await?;
     step(start, "the kind request answered");
+    s.upgrade_operator(&gateway).await?;
+    step(start, "helm upgrade rolled the operator, the policy kept");
     let pinned = pods[0].name_any();
     s.edit_policy_under_load(&gateway, &pinned).await?;
     step(start, "policy edited, no request failed");
@@ -183,10 +188,7 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     s.attach_to_an_existing_pool().await?;
     step(start, "a policy attached to the team's own pool serves it");
     s.swap_the_reference_epp_for_ours().await?;
-    step(
-        start,
-        "the reference EPP's Deployment switched to ours, no request failed",
-    );
+    step(start, "the reference EPP's Deployment switched to ours");
     s.check_printer_columns().await?;
     s.delete_policy().await?;
     step(start, "policy deleted, owned objects collected");
@@ -199,19 +201,20 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
 struct Scenario {
     client: Client,
     discovery: Discovery,
-    /// Built beside the node's binaries, at the same release.
-    kubectl: PathBuf,
+    /// Helm v4 from the Go module proxy.
+    helm: PathBuf,
+    kubeconfig: PathBuf,
 }
 
 impl Scenario {
     async fn new(cluster: &RealCluster) -> Result<Self> {
         let client = cluster.client();
         let discovery = Discovery::new(client.clone()).run().await?;
-        let kubectl = cluster.binaries().path("kubectl");
         Ok(Self {
             client,
             discovery,
-            kubectl,
+            helm: helm::ensure()?,
+            kubeconfig: cluster.kubeconfig_path().to_path_buf(),
         })
     }
 
@@ -223,12 +226,40 @@ impl Scenario {
         Api::namespaced(self.client.clone(), DEMO_NS)
     }
 
-    /// `kubectl apply -k kustomize/overlays/kind`: the operator Pod becomes
-    /// Ready and takes the leader Lease.
-    async fn install_operator(&self) -> Result<()> {
-        let docs =
-            render_kustomization(&self.kubectl, &repo_root().join("kustomize/overlays/kind"))?;
-        self.apply_all(&docs).await?;
+    /// `helm install` of the chart with `ci/kind-values.yaml`, into a
+    /// namespace labelled for the restricted Pod Security standard, as
+    /// `e2e/kind.sh` does: the operator Pod becomes Ready and takes the
+    /// leader Lease.
+    async fn install_operator(&mut self) -> Result<()> {
+        self.apply(&json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": { "name": OPERATOR_NS,
+                          "labels": { "pod-security.kubernetes.io/enforce": "restricted" } }
+        }))
+        .await?;
+        self.helm(&["install", "--wait"])?;
+        // The chart brought the InferencePolicy kind.
+        self.discovery = Discovery::new(self.client.clone()).run().await?;
+        self.wait_operator_leading().await?;
+        Ok(())
+    }
+
+    /// `helm <verb> kinference charts/kinference -n kinference-system
+    /// --values ci/kind-values.yaml [extra]` against this cluster.
+    fn helm(&self, verb_and_extra: &[&str]) -> Result<String> {
+        let chart = helm::chart_dir();
+        let values = chart.join("ci/kind-values.yaml");
+        let (chart, values) = (chart.to_string_lossy(), values.to_string_lossy());
+        let kubeconfig = self.kubeconfig.to_string_lossy();
+        let (verb, extra) = verb_and_extra.split_first().context("no helm verb")?;
+        let mut args = vec![*verb, "kinference", &chart, "--namespace", OPERATOR_NS];
+        args.extend(["--values", &values, "--kubeconfig", &kubeconfig]);
+        args.extend(extra);
+        helm::run(&self.helm, &args)
+    }
+
+    /// The operator Pod that is Ready and holds the leader Lease.
+    async fn wait_operator_leading(&self) -> Result<Pod> {
         let pod = self
             .wait_ready_pod(OPERATOR_NS, "app.kubernetes.io/name=kinference-operator")
             .await?;
@@ -243,6 +274,59 @@ impl Scenario {
             holder == pod.name_any(),
             "Lease held by {holder}, not the operator Pod {}",
             pod.name_any()
+        );
+        Ok(pod)
+    }
+
+    /// `helm upgrade` with one value changed (a Pod annotation), while
+    /// requests flow: the operator's Deployment rolls to a new Pod, which
+    /// takes the Lease; the policy is the same object, still Ready, its EPP
+    /// untouched; no request fails (the operator is not on the data path).
+    async fn upgrade_operator(&self, gateway: &Gateway) -> Result<()> {
+        let before = self.wait_operator_leading().await?;
+        let policy = self.policies().get(POLICY).await?;
+        let epp = Api::<Deployment>::namespaced(self.client.clone(), DEMO_NS)
+            .get(&format!("{POLICY}-epp"))
+            .await?;
+        let load = Load::start(gateway);
+        self.helm(&[
+            "upgrade",
+            "--set",
+            "podAnnotations.kinference\\.io/upgraded=yes",
+        ])?;
+        let after = eventually("a new operator Pod leading", || async {
+            let pod = self.wait_operator_leading().await?;
+            let annotated = pod.metadata.annotations.as_ref().is_some_and(|a| {
+                a.get("kinference.io/upgraded").map(String::as_str) == Some("yes")
+            });
+            let only = self
+                .pods(OPERATOR_NS)
+                .list(&ListParams::default().labels("app.kubernetes.io/name=kinference-operator"))
+                .await?
+                .items
+                .len()
+                == 1;
+            Ok((annotated && only && pod.name_any() != before.name_any()).then_some(pod))
+        })
+        .await?;
+        self.wait_policy_loaded().await?;
+        let answered = Self::expect_no_failure(load, "upgrading the operator").await?;
+        let same = self.policies().get(POLICY).await?;
+        ensure!(
+            same.uid() == policy.uid() && same.metadata.generation == policy.metadata.generation,
+            "the policy was replaced or changed by the upgrade"
+        );
+        let epp_after = Api::<Deployment>::namespaced(self.client.clone(), DEMO_NS)
+            .get(&format!("{POLICY}-epp"))
+            .await?;
+        ensure!(
+            epp_after.metadata.generation == epp.metadata.generation,
+            "the upgrade rolled the EPP too"
+        );
+        eprintln!(
+            "  helm upgrade: operator {} → {}, policy {POLICY} kept, {answered} requests, none failed",
+            before.name_any(),
+            after.name_any()
         );
         Ok(())
     }
@@ -735,8 +819,9 @@ impl Scenario {
     /// in a Deployment with the chart's ports, probes and Role, behind its
     /// own Envoy. Under a steady stream of requests the Deployment's image
     /// and arguments are switched to ours (`--pool-name`, nothing else):
-    /// the default rolling update replaces the Pod, and no request fails.
-    /// Afterwards the EPP that answers is ours (it names its rule).
+    /// the default rolling update replaces the Pod; once ours answers (it
+    /// names its rule), no request fails. The ones that fail before are the
+    /// reference Pod's at its shutdown (counted and printed).
     async fn swap_the_reference_epp_for_ours(&self) -> Result<()> {
         let docs = reference_epp_manifests()?;
         self.apply_all(&docs).await?;
@@ -787,7 +872,26 @@ impl Scenario {
             Ok(done.then(|| pods[0].clone()))
         })
         .await?;
-        let answered = Self::expect_no_failure(load, "switching the reference EPP to ours").await?;
+        let sent = load.stop().await?;
+        // Which EPP answered each: ours names its rule.
+        let mut ours_from = None;
+        for (i, one) in sent.iter().enumerate() {
+            let record = gateway.access(one).await?;
+            if one.status == 200 && record.rule.is_some() && ours_from.is_none() {
+                ours_from = Some(i);
+            }
+        }
+        let ours_from =
+            ours_from.context("no request was answered by our EPP during the switch")?;
+        let failed: Vec<usize> = (0..sent.len()).filter(|&i| sent[i].status != 200).collect();
+        // The reference's gRPC server stops listening at SIGTERM, while the
+        // Service still sends it new connections for a moment: those
+        // requests fail (FailClose). Once ours answers, none may.
+        ensure!(
+            failed.iter().all(|&i| i < ours_from),
+            "requests failed after our EPP took over: {:?} (ours from #{ours_from})",
+            failed.iter().map(|&i| &sent[i]).collect::<Vec<_>>()
+        );
         let after = gateway.send_many(3).await?;
         for sent in &after {
             let record = gateway.access(sent).await?;
@@ -802,9 +906,11 @@ impl Scenario {
             .delete(REFERENCE_EPP, &DeleteParams::default())
             .await?;
         eprintln!(
-            "  {} (reference v1.5.0) replaced by {} (ours): {answered} requests, none failed",
+            "  {} (reference v1.5.0) replaced by {} (ours): {} requests, {} failed, all before ours answered",
             reference.name_any(),
-            ours.name_any()
+            ours.name_any(),
+            sent.len(),
+            failed.len()
         );
         Ok(())
     }
@@ -1124,8 +1230,11 @@ impl Gateway {
             .await
             .unwrap_or_else(|e| format!("{e:#}"));
         format!(
-            "Envoy's epp cluster:\n{}\n{stats}\nEnvoy's log:\n{}",
+            "Envoy's epp cluster:\n{}\n{stats}\nWho answers at {} (curl):\n{}\nconntrack:\n{}\nEnvoy's log:\n{}",
             epp.join("\n"),
+            self.epp,
+            probe_ext_proc(self.epp),
+            conntrack_of(self.epp),
             self.envoy.log_tail()
         )
     }
@@ -1136,6 +1245,51 @@ impl Gateway {
             all.push(self.send().await?);
         }
         Ok(all)
+    }
+}
+
+/// One ext_proc call by curl (TLS, HTTP/2) to `epp`: the certificate and
+/// the answer's status line and headers say which server took it.
+fn probe_ext_proc(epp: SocketAddr) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "-v",
+            "--http2",
+            "--max-time",
+            "3",
+            "-o",
+            "/dev/null",
+            "-X",
+            "POST",
+        ])
+        .args(["-H", "content-type: application/grpc", "-H", "te: trailers"])
+        .arg(format!(
+            "https://{epp}/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+        ))
+        .output();
+    match out {
+        Ok(out) => String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| l.starts_with("< ") || l.contains("subject:") || l.contains("issuer:"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("curl: {e}"),
+    }
+}
+
+/// The kernel's connection tracking entries for `epp` (where kube-proxy's
+/// DNAT sent each connection).
+fn conntrack_of(epp: SocketAddr) -> String {
+    let ip = epp.ip().to_string();
+    match std::fs::read_to_string("/proc/net/nf_conntrack") {
+        Ok(text) => text
+            .lines()
+            .filter(|l| l.contains(&ip))
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("/proc/net/nf_conntrack: {e}"),
     }
 }
 
@@ -1459,23 +1613,6 @@ fn dechunk(mut rest: &str) -> Result<String> {
 }
 
 // ---------------------------------------------------------------- helpers
-
-/// `kubectl kustomize <dir>`, as `kubectl apply -k` renders it, with the
-/// kubectl built beside the node's binaries (the same release).
-fn render_kustomization(kubectl: &Path, dir: &Path) -> Result<Vec<Value>> {
-    let out = std::process::Command::new(kubectl)
-        .arg("kustomize")
-        .arg(dir)
-        .output()
-        .context("running `kubectl kustomize` (kubectl renders the kind overlay)")?;
-    ensure!(
-        out.status.success(),
-        "kubectl kustomize {}: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    yaml_documents_to_json(&String::from_utf8_lossy(&out.stdout))
-}
 
 /// Every manifest `kubectl apply -f e2e/kind/` applies.
 fn kind_manifests() -> Result<Vec<Value>> {

@@ -554,6 +554,8 @@ impl Drop for RealCluster {
 async fn start_control_plane(pki: &NodePki, node_ip: IpAddr) -> Result<TestCluster> {
     let options = StartOptions {
         extra_apiserver_args: apiserver_flags(pki),
+        // The scenario installs them with the operator (`helm install`).
+        skip_project_crds: true,
         ..StartOptions::default()
     };
     let control_plane = TestCluster::start_with(options)
