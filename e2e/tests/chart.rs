@@ -172,7 +172,8 @@ fn values_reach_the_objects_they_name() -> Result<()> {
     let helm = helm::ensure()?;
     let set = [
         "image.tag=1.2.3",
-        "epp.image=registry.example/epp:9",
+        "epp.image.repository=registry.example/epp",
+        "epp.image.tag=9",
         "epp.replicas=3",
         "replicas=1",
         "monitoring.podMonitors.enabled=true",

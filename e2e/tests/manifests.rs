@@ -657,7 +657,7 @@ fn overlays_patch_what_the_base_has() -> Result<()> {
     for needle in [
         "repository: kinference/operator",
         "tag: dev",
-        "image: kinference/epp:dev",
+        "repository: kinference/epp",
     ] {
         ensure!(
             values.contains(needle),
@@ -866,8 +866,10 @@ fn dockerfiles_are_pinned_and_minimal() -> Result<()> {
             froms[1]
         );
         ensure!(
-            text.contains(&format!("--release --locked -p {package} --bin {binary}")),
-            "{file}: no locked release build of {package}"
+            text.contains(&format!(
+                "--profile dist --locked -p {package} --bin {binary}"
+            )),
+            "{file}: no locked dist (stripped release) build of {package}"
         );
         ensure!(
             text.lines().any(|l| l.trim() == "USER nonroot"),

@@ -299,6 +299,11 @@ impl RealCluster {
     }
 
     /// Write `files` + `config` as image `reference` and import it.
+    /// Where image archives are written before they are imported.
+    pub fn images_dir(&self) -> PathBuf {
+        self.dir.join("images")
+    }
+
     pub fn build_image(
         &self,
         reference: &str,
@@ -309,8 +314,8 @@ impl RealCluster {
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect();
-        let archive = self.dir.join("images").join(format!("{name}.tar"));
-        std::fs::create_dir_all(archive.parent().unwrap_or(&self.dir))?;
+        let archive = self.images_dir().join(format!("{name}.tar"));
+        std::fs::create_dir_all(self.images_dir())?;
         let digests = write_oci_archive(reference, files, config, &archive)?;
         self.import_image(&archive)?;
         Ok(digests)

@@ -16,7 +16,9 @@ use std::process::Stdio;
 
 use anyhow::{Context as _, Result, anyhow, ensure};
 
-use super::images::{FileContents, ImageConfig, LayerFile, binary_with_libraries};
+use super::images::{
+    FileContents, ImageConfig, LayerFile, binary_with_libraries, write_oci_archive,
+};
 use super::{ImageDigests, RealCluster};
 
 /// The runtime base every Dockerfile uses, which these images stand in for.
@@ -24,7 +26,7 @@ pub const DISTROLESS_BASE: &str = "gcr.io/distroless/cc-debian12:nonroot";
 /// The base's `nonroot` user (`USER nonroot` in the Dockerfiles).
 pub const NONROOT_USER: &str = "nonroot";
 pub const NONROOT_UID: u32 = 65532;
-/// Skip `cargo build --release` and take the binaries from this directory
+/// Skip `cargo build --profile dist` and take the binaries from this directory
 /// (CI passes its debug build: the same code, without a second compile of
 /// every dependency in release mode).
 pub const IMAGE_BIN_DIR_ENV: &str = "KINFERENCE_IMAGE_BIN_DIR";
@@ -220,15 +222,15 @@ pub fn repo_root() -> PathBuf {
 }
 
 /// The directory with the images' binaries: `$KINFERENCE_IMAGE_BIN_DIR`, else
-/// `cargo build --release --locked` of the three images' binaries (a no-op
-/// when they are up to date) and its `target/release`.
+/// `cargo build --profile dist --locked` of the three images' binaries (a
+/// no-op when they are up to date) and its `target/dist`.
 pub fn image_binaries() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os(IMAGE_BIN_DIR_ENV).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(dir));
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = std::process::Command::new(cargo);
-    command.args(["build", "--release", "--locked"]);
+    command.args(["build", "--profile", "dist", "--locked"]);
     for image in ALL {
         command.args(["-p", image.package, "--bin", image.binary]);
     }
@@ -239,25 +241,82 @@ pub fn image_binaries() -> Result<PathBuf> {
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
         .status()
-        .context("running cargo build --release")?;
-    ensure!(status.success(), "cargo build --release failed: {status}");
+        .context("running cargo build --profile dist")?;
+    ensure!(
+        status.success(),
+        "cargo build --profile dist failed: {status}"
+    );
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join("target"));
-    Ok(target.join("release"))
+    Ok(target.join("dist"))
 }
 
-/// Build every workspace image from `release_dir` and import it.
-pub fn import_all(cluster: &RealCluster, release_dir: &Path) -> Result<Vec<ImageDigests>> {
-    ALL.iter()
+/// Writes every workspace image, from the binaries in `bin_dir` (stripped
+/// on the way), as an OCI archive in `out_dir` named as [`archive_name`]
+/// says, under its [`WorkspaceImage::reference`]. What `kinference-images`
+/// runs, and what the real-node tier imports.
+pub fn write_archives(bin_dir: &Path, out_dir: &Path) -> Result<Vec<(PathBuf, ImageDigests)>> {
+    let stripped = out_dir.join(".stripped");
+    std::fs::create_dir_all(&stripped)
+        .with_context(|| format!("creating {}", stripped.display()))?;
+    let written = ALL
+        .iter()
         .map(|image| {
-            cluster
-                .build_image(
-                    &image.containerd_name(),
-                    &image.files(release_dir)?,
-                    &image.config(),
-                )
-                .with_context(|| format!("building {}", image.reference))
+            strip_into(&bin_dir.join(image.binary), &stripped.join(image.binary))?;
+            let archive = out_dir.join(archive_name(image));
+            let digests = write_oci_archive(
+                &image.containerd_name(),
+                &image.files(&stripped)?,
+                &image.config(),
+                &archive,
+            )
+            .with_context(|| format!("writing {}", image.reference))?;
+            Ok((archive, digests))
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&stripped);
+    written
+}
+
+/// `<binary>.oci.tar`.
+pub fn archive_name(image: &WorkspaceImage) -> String {
+    format!("{}.oci.tar", image.binary)
+}
+
+/// A copy of `binary` without symbols or debug sections (binutils'
+/// `strip`), as `cargo build --profile dist` makes them: the images carry
+/// no line tables (139 to 168 MB of the release binaries are).
+fn strip_into(binary: &Path, out: &Path) -> Result<()> {
+    ensure!(
+        binary.is_file(),
+        "{} is missing: build it with `cargo build --profile dist --locked` (or pass --bin-dir)",
+        binary.display()
+    );
+    let status = std::process::Command::new("strip")
+        .arg("--strip-all")
+        .arg("-o")
+        .arg(out)
+        .arg(binary)
+        .status()
+        .context("running strip (binutils)")?;
+    ensure!(
+        status.success(),
+        "strip {} failed: {status}",
+        binary.display()
+    );
+    Ok(())
+}
+
+/// Writes every workspace image from `bin_dir` and imports it into the
+/// real node's containerd (`ctr images import`).
+pub fn import_all(cluster: &RealCluster, bin_dir: &Path) -> Result<Vec<ImageDigests>> {
+    let out = cluster.images_dir();
+    write_archives(bin_dir, &out)?
+        .into_iter()
+        .map(|(archive, digests)| {
+            cluster.import_image(&archive)?;
+            Ok(digests)
         })
         .collect()
 }
