@@ -22,7 +22,7 @@ fn generated_args(spec: serde_json::Value) -> (Args, Vec<String>) {
     .unwrap();
     let settings = EppSettings {
         image: "epp:test".into(),
-        replicas: 1,
+        replicas: Some(1),
     };
     let compiled = kinference_policy::compile(&policy.spec.policy).unwrap();
     let d = deployment(&policy, &Names::of(&policy), &settings, &compiled);

@@ -226,7 +226,7 @@ fn the_pod_monitors_select_the_epp_and_operator_pods_and_their_metrics_ports() {
     let compiled = kinference_policy::compile(&policy.spec.policy).unwrap();
     let settings = EppSettings {
         image: "epp".into(),
-        replicas: 1,
+        replicas: Some(1),
     };
     let deployment =
         serde_json::to_value(desired(&policy, &compiled, &settings).deployment).unwrap();

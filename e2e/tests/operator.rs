@@ -614,6 +614,57 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
     // The API server refuses what the operator would too.
     assert!(replicas(0).await.is_err(), "replicas 0 accepted");
 
+    // Neither the policy nor the operator names a count: an HPA's scale
+    // (the scale subresource, another field manager) outlives reconciles,
+    // and a budget covers whatever count it picks.
+    policies
+        .patch(
+            "open",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"endpointPicker": {"replicas": null}}})),
+        )
+        .await?;
+    eventually("a budget for the HPA's replicas", async || {
+        Ok(pdbs.get("open-epp").await.ok())
+    })
+    .await?;
+    deployments
+        .patch_scale(
+            "open-epp",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 3}})),
+        )
+        .await?;
+    let generation = policies
+        .patch(
+            "open",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"endpointPicker": {"scrapeInterval": "500ms"}}})),
+        )
+        .await?
+        .metadata
+        .generation;
+    wait_condition(&policies, "open", "Accepted", "True").await?;
+    let deployment = eventually("the new scrape interval applied", async || {
+        let d = deployments.get("open-epp").await?;
+        let args = d
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.containers[0].args.clone())
+            .unwrap_or_default();
+        Ok(args
+            .contains(&"--scrape-interval-ms=500".to_string())
+            .then_some(d))
+    })
+    .await?;
+    assert!(generation.is_some());
+    assert_eq!(
+        deployment.spec.and_then(|s| s.replicas),
+        Some(3),
+        "the operator took back the HPA's replicas"
+    );
+
     policies
         .create(
             &PostParams::default(),

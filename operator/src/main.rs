@@ -20,9 +20,11 @@ struct Args {
     /// Image of the endpoint picker Deployments.
     #[arg(long, env = "KINFERENCE_EPP_IMAGE", default_value = DEFAULT_EPP_IMAGE)]
     epp_image: String,
-    /// Replicas of each EPP Deployment.
-    #[arg(long, env = "KINFERENCE_EPP_REPLICAS", default_value_t = 1)]
-    epp_replicas: i32,
+    /// Replicas of each EPP Deployment whose policy names none. Unset: the
+    /// operator leaves `spec.replicas` alone (1 when created), so an HPA
+    /// can scale the EPP.
+    #[arg(long, env = "KINFERENCE_EPP_REPLICAS", value_parser = clap::value_parser!(i32).range(1..=100))]
+    epp_replicas: Option<i32>,
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "KINFERENCE_NAMESPACE")]
     namespace: Option<String>,

@@ -46,8 +46,9 @@ pub const DEFAULT_EPP_IMAGE: &str = "ghcr.io/kinference/epp:0.1.0";
 pub struct Config {
     /// Image of the EPP Deployments.
     pub epp_image: String,
-    /// Replicas of each EPP Deployment.
-    pub epp_replicas: i32,
+    /// Replicas of each EPP Deployment whose policy names none; None: left
+    /// to an HPA (the Deployment's own default is 1).
+    pub epp_replicas: Option<i32>,
     /// Watch only this namespace; None: every namespace.
     pub namespace: Option<String>,
     pub requeue: Requeue,
@@ -66,7 +67,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             epp_image: DEFAULT_EPP_IMAGE.into(),
-            epp_replicas: 1,
+            epp_replicas: None,
             namespace: None,
             requeue: Requeue::default(),
             leader_election: None,

@@ -174,8 +174,10 @@ pub struct EndpointPickerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<FailureMode>,
     /// EPP replicas, each deciding on its own (default: the operator's
-    /// `--epp-replicas`, 1 unless set). With more than one, a
-    /// PodDisruptionBudget lets one go at a time.
+    /// `--epp-replicas`; when that is unset too, the operator leaves the
+    /// Deployment's count to an HPA, starting at 1). With more than one, or
+    /// with the count left to an HPA, a PodDisruptionBudget lets one go at
+    /// a time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 100))]
     pub replicas: Option<i32>,

@@ -321,7 +321,8 @@ pub fn deployment(
     Deployment {
         metadata: object_meta(policy, &epp_name, epp_object_labels(names)),
         spec: Some(DeploymentSpec {
-            replicas: Some(epp.replicas_for(policy)),
+            // Unset: not ours, so server-side apply leaves an HPA's number.
+            replicas: epp.replicas_for(policy),
             selector: LabelSelector {
                 match_labels: Some(epp_selector(names)),
                 ..LabelSelector::default()

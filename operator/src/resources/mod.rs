@@ -86,14 +86,16 @@ const PART_OF: &str = "app.kubernetes.io/part-of";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EppSettings {
     pub image: String,
-    /// EPP replicas of a policy that names none.
-    pub replicas: i32,
+    /// EPP replicas of a policy that names none; None: the operator leaves
+    /// `spec.replicas` to whoever scales the Deployment (an HPA).
+    pub replicas: Option<i32>,
 }
 
 impl EppSettings {
-    /// The EPP replicas of `policy`: its own number, or the operator's.
-    pub fn replicas_for(&self, policy: &InferencePolicy) -> i32 {
-        policy.spec.epp_replicas().unwrap_or(self.replicas)
+    /// The EPP replicas of `policy`: its own number, or the operator's, if
+    /// either is set.
+    pub fn replicas_for(&self, policy: &InferencePolicy) -> Option<i32> {
+        policy.spec.epp_replicas().or(self.replicas)
     }
 }
 
@@ -335,7 +337,7 @@ pub(crate) mod testing {
     pub fn settings() -> EppSettings {
         EppSettings {
             image: "ghcr.io/kinference/epp:0.1.0".into(),
-            replicas: 1,
+            replicas: Some(1),
         }
     }
 }

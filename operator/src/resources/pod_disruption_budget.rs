@@ -1,7 +1,8 @@
 //! The EPP's PodDisruptionBudget: with more than one replica, a node drain
 //! or any other eviction takes one EPP Pod at a time, so the gateway always
-//! has one to ask. With one replica there is none: a budget that allows no
-//! eviction would block every drain of its node.
+//! has one to ask. With one replica there is none: nothing to keep. With
+//! replicas left to an HPA there is one, as the count can grow
+//! (`maxUnavailable: 1` never blocks a drain of a single replica).
 
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -14,9 +15,9 @@ use super::{Names, object_meta};
 pub fn pod_disruption_budget(
     policy: &InferencePolicy,
     names: &Names,
-    replicas: i32,
+    replicas: Option<i32>,
 ) -> Option<PodDisruptionBudget> {
-    (replicas > 1).then(|| PodDisruptionBudget {
+    replicas.is_none_or(|r| r > 1).then(|| PodDisruptionBudget {
         metadata: object_meta(policy, &names.epp(), epp_object_labels(names)),
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),
@@ -32,8 +33,8 @@ pub fn pod_disruption_budget(
 
 #[cfg(test)]
 mod tests {
-    use crate::resources::desired;
     use crate::resources::testing::*;
+    use crate::resources::{EppSettings, desired};
 
     #[test]
     fn snapshot() {
@@ -63,5 +64,14 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(replicas(&policy), (Some(2), true));
+        // Neither sets a number: the Deployment's is an HPA's to set.
+        policy.spec.endpoint_picker = None;
+        let hpa = EppSettings {
+            replicas: None,
+            ..settings()
+        };
+        let d = desired(&policy, &compiled, &hpa);
+        assert_eq!(d.deployment.spec.unwrap().replicas, None);
+        assert!(d.pod_disruption_budget.is_some());
     }
 }
