@@ -600,10 +600,37 @@ impl Scenario {
         let names: Vec<String> = rolled.iter().map(ResourceExt::name_any).collect();
         self.wait_epp_replicas(2, &[]).await?;
         let rollout = Self::expect_no_failure(load, "a rolling update of the EPP").await?;
+
+        // A crash: SIGKILL to one replica's process (as the OOM killer
+        // sends it). Its container restarts in place; requests resume.
+        let load = Load::start(gateway);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let victim = rolled[0].name_any();
+        kill_epp_process(&victim)?;
+        eventually("the killed EPP restarted and Ready", || async {
+            let pod = self.pods(DEMO_NS).get(&victim).await?;
+            let restarted = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.restart_count >= 1));
+            Ok((restarted && is_ready(&pod)).then_some(()))
+        })
+        .await?;
+        self.wait_epp_replicas(2, &[]).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let sent = load.stop().await?;
+        let failed = sent.iter().filter(|s| s.status != 200).count();
+        let tail = &sent[sent.len().saturating_sub(10)..];
+        ensure!(
+            tail.iter().all(|s| s.status == 200),
+            "requests did not resume after the SIGKILL: {tail:?}"
+        );
         eprintln!(
             "  two EPP replicas, requests answered / failed: deletion {deletion}/0, \
              eviction {eviction}/0 (the budget then allowing none), rolling update \
-             {rollout}/0 (now {names:?})"
+             {rollout}/0 (now {names:?}), SIGKILL of {victim}: {}/{failed}",
+            sent.len()
         );
         Ok(())
     }
@@ -1246,6 +1273,34 @@ impl Gateway {
         }
         Ok(all)
     }
+}
+
+/// Sends SIGKILL to the EPP process of Pod `pod` (found by the `POD_NAME`
+/// its container's environment carries; the node's containers are this
+/// host's processes).
+fn kill_epp_process(pod: &str) -> Result<()> {
+    let want = format!("POD_NAME={pod}");
+    for entry in std::fs::read_dir("/proc")? {
+        let dir = entry?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() != "kinference-epp" {
+            continue;
+        }
+        let environ = std::fs::read(dir.join("environ")).unwrap_or_default();
+        if environ.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
+            let pid = dir
+                .file_name()
+                .context("pid")?
+                .to_string_lossy()
+                .into_owned();
+            let status = std::process::Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()?;
+            ensure!(status.success(), "kill -KILL {pid}: {status}");
+            return Ok(());
+        }
+    }
+    bail!("no kinference-epp process of Pod {pod}")
 }
 
 /// One ext_proc call by curl (TLS, HTTP/2) to `epp`: the certificate and

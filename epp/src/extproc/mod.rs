@@ -109,10 +109,20 @@ impl<R: Router> ExtProcService<R> {
     }
 
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        let largest = max_message_bytes(self.config.max_body_bytes);
         ExternalProcessorServer::new(self)
-            .max_decoding_message_size(64 * 1024 * 1024)
+            .max_decoding_message_size(largest)
             .max_encoding_message_size(64 * 1024 * 1024)
     }
+}
+
+/// The largest ext_proc message a stream may send: a whole body (BUFFERED
+/// mode sends it in one) and its framing. The gRPC decoder holds one
+/// message of every open stream in full before the body budget sees it, so
+/// this, not the budget, bounds what each stream can make the EPP allocate
+/// on its own.
+pub fn max_message_bytes(max_body_bytes: usize) -> usize {
+    max_body_bytes.saturating_add(64 * 1024)
 }
 
 #[tonic::async_trait]

@@ -135,6 +135,12 @@ impl<R: Router> Session<R> {
             let Some(item) = next else { break };
             let msg = match item {
                 Ok(msg) => msg,
+                // A message longer than a body (its length prefix, read
+                // before its bytes): the request is too large, and says so.
+                Err(status) if status.code() == tonic::Code::OutOfRange => {
+                    self.too_large().await;
+                    break;
+                }
                 // The stream broke mid-way: nothing is left to answer.
                 Err(status) => {
                     tracing::debug!(code = ?status.code(), "ext_proc stream ended with an error");
@@ -256,7 +262,8 @@ impl<R: Router> Session<R> {
         if self.body.len() + b.body.len() > self.config.max_body_bytes {
             return self.too_large().await;
         }
-        if !self.hold.grow(b.body.len()) {
+        let last = b.end_of_stream;
+        if !self.hold_chunk(b.body, last) {
             self.shed(
                 503,
                 "body_budget",
@@ -265,16 +272,33 @@ impl<R: Router> Session<R> {
             .await;
             return false;
         }
-        if self.body.is_empty() && b.end_of_stream {
-            self.body = b.body;
-        } else {
-            self.body.extend_from_slice(&b.body);
+        if last { self.decide().await } else { true }
+    }
+
+    /// Appends `chunk` to the body if the budget can pay for the memory it
+    /// takes: the buffer's capacity, not its length. A buffer that doubles
+    /// as chunks arrive holds up to twice what it was sent, and charging the
+    /// length let unfinished bodies hold about twice the budget.
+    fn hold_chunk(&mut self, chunk: Vec<u8>, last: bool) -> bool {
+        if self.body.is_empty() && last {
+            if !self.hold.grow(chunk.capacity()) {
+                return false;
+            }
+            self.body = chunk;
+            return true;
         }
-        if b.end_of_stream {
-            self.decide().await
-        } else {
-            true
+        let needed = self.body.len() + chunk.len();
+        let capacity = self.body.capacity();
+        if needed > capacity {
+            // Doubling keeps appends linear; never past a full body.
+            let target = needed.max(capacity * 2).min(self.config.max_body_bytes);
+            if !self.hold.grow(target - capacity) {
+                return false;
+            }
+            self.body.reserve_exact(target - self.body.len());
         }
+        self.body.extend_from_slice(&chunk);
+        true
     }
 
     async fn decide(&mut self) -> bool {
@@ -922,6 +946,41 @@ mod tests {
             "a closed stream gives its bytes back"
         );
         assert!(rendered(&metrics).contains("kinference_epp_streams_open 0"));
+    }
+
+    /// The budget pays for the body's buffer as allocated: a body sent in
+    /// chunks charges its capacity, which doubling keeps within twice its
+    /// length, and a chunk the budget cannot pay for is refused.
+    #[tokio::test]
+    async fn the_budget_is_charged_for_the_buffer_a_chunked_body_takes() {
+        let router = FakeRouter::new(local());
+        let mut s = live(&router, 10_000, Duration::from_secs(60));
+        s.inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        assert!(s.replies.recv().await.is_some(), "headers continue");
+        let mut sent = 0;
+        for _ in 0..5 {
+            s.inbound
+                .send(Ok(request(body(&[b' '; 700], false))))
+                .await
+                .unwrap();
+            sent += 700;
+            while s.budget.used() < sent {
+                tokio::task::yield_now().await;
+            }
+            let used = s.budget.used();
+            assert!(
+                used >= sent && used <= 2 * sent,
+                "{used} held for {sent} sent"
+            );
+        }
+        // 700, 1,400, 2,800, 2,800, 5,600: the buffer, not the 3,500 sent.
+        assert_eq!(s.budget.used(), 5600);
+        drop(s.inbound);
+        s.task.await.unwrap();
+        assert_eq!(s.budget.used(), 0);
     }
 
     #[tokio::test]
