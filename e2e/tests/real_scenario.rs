@@ -176,7 +176,7 @@ async fn scenario(cluster: &RealCluster, release: &Path, start: Instant) -> Resu
     s.lose_epp_replicas_under_load(&gateway, &pinned).await?;
     step(
         start,
-        "two EPP replicas: deletion, eviction and a rolling update fail no request",
+        "two EPP replicas: deletion, eviction and a rolling update fail no request, a SIGKILL few",
     );
     let pinned = s.scale_simulators(&gateway, &pods).await?;
     step(start, "new simulator Pod served");
