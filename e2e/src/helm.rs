@@ -2,7 +2,7 @@
 //! and the project's chart (`charts/kinference`) run through it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use anyhow::{Context as _, bail};
 use serde_json::Value;
@@ -11,22 +11,7 @@ use crate::cluster::yaml_documents_to_json;
 
 /// `$KINFERENCE_HELM`, else the cached build (built when missing).
 pub fn ensure() -> anyhow::Result<PathBuf> {
-    if let Some(path) = std::env::var_os("KINFERENCE_HELM").filter(|p| !p.is_empty()) {
-        return Ok(path.into());
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/install-helm.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {script}"))?;
-    if !out.status.success() {
-        bail!("{script} failed");
-    }
-    let path = String::from_utf8_lossy(&out.stdout);
-    Ok(PathBuf::from(
-        path.lines().last().context("no path printed")?.trim(),
-    ))
+    crate::tools::installed("helm", "KINFERENCE_HELM")
 }
 
 /// The chart's directory.

@@ -9,22 +9,7 @@ use anyhow::{Context as _, bail};
 
 /// `$KINFERENCE_KSTATUS`, else the cached build (built when missing).
 pub fn ensure() -> anyhow::Result<PathBuf> {
-    if let Some(path) = std::env::var_os("KINFERENCE_KSTATUS").filter(|p| !p.is_empty()) {
-        return Ok(path.into());
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/install-kstatus.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {script}"))?;
-    if !out.status.success() {
-        bail!("{script} failed");
-    }
-    let path = String::from_utf8_lossy(&out.stdout);
-    Ok(PathBuf::from(
-        path.lines().last().context("no path printed")?.trim(),
-    ))
+    crate::tools::installed("kstatus", "KINFERENCE_KSTATUS")
 }
 
 /// kstatus's status (`Current`, `InProgress`, `Failed`, ...) and message

@@ -6,6 +6,7 @@ pub mod kstatus;
 pub mod kubelet;
 pub mod node;
 pub mod scale;
+pub mod tools;
 
 /// The field managers that have written `meta`'s object: who touched it.
 pub fn field_managers(

@@ -1141,6 +1141,7 @@ impl Gateway {
     }
 
     async fn with_bootstrap(bootstrap: &Bootstrap, epp: SocketAddr) -> Result<Self> {
+        wait_service_programmed(epp).await?;
         let envoy = Envoy::start(bootstrap).await?;
         Ok(Self {
             envoy,
@@ -1369,6 +1370,41 @@ fn service_rules(epp: SocketAddr) -> String {
         }
     }
     rules
+}
+
+/// Waits until kube-proxy has rules sending `epp` (a ClusterIP and port) to
+/// an endpoint. Until then a connection to the ClusterIP is not translated
+/// and leaves by the host's default route: on a VM whose network has a
+/// host at that address, Envoy kept that stranger as its ext_proc
+/// connection (every stream answered 404, gRPC 12) for the whole test.
+async fn wait_service_programmed(epp: SocketAddr) -> Result<()> {
+    let (ip, port) = (epp.ip().to_string(), epp.port().to_string());
+    eventually(&format!("kube-proxy's rules for {epp}"), || async {
+        let out = tokio::process::Command::new("iptables-save")
+            .args(["-t", "nat"])
+            .output()
+            .await?;
+        let rules = String::from_utf8_lossy(&out.stdout);
+        let service_chain = rules.lines().find_map(|l| {
+            let matches = l.contains(&format!("-d {ip}/32"))
+                && l.contains(&format!("--dport {port}"))
+                && l.contains("-j KUBE-SVC-");
+            matches.then(|| {
+                l.rsplit("-j ")
+                    .next()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string()
+            })
+        });
+        let programmed = service_chain.is_some_and(|chain| {
+            rules
+                .lines()
+                .any(|l| l.starts_with(&format!("-A {chain} ")) && l.contains("-j KUBE-SEP-"))
+        });
+        Ok(programmed.then_some(()))
+    })
+    .await
 }
 
 /// The EPP as the InferencePool names it: its Service's ClusterIP and the

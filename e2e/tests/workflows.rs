@@ -4,27 +4,12 @@
 //! can know of it before a release.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 
 fn actionlint() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("KINFERENCE_ACTIONLINT").filter(|p| !p.is_empty()) {
-        return Ok(path.into());
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/install-actionlint.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {script}"))?;
-    if !out.status.success() {
-        bail!("{script} failed");
-    }
-    let path = String::from_utf8_lossy(&out.stdout);
-    Ok(PathBuf::from(
-        path.lines().last().context("no path printed")?.trim(),
-    ))
+    kinference_e2e::tools::installed("actionlint", "KINFERENCE_ACTIONLINT")
 }
 
 /// actionlint's findings on `files` (empty when it passes them).

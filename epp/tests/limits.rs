@@ -218,11 +218,8 @@ async fn immediate_status(attack: &mut Attack) -> Option<i32> {
     None
 }
 
-/// One message larger than a whole body is refused by its length prefix,
-/// before its bytes are buffered: a stream cannot make the decoder hold
-/// more than a body.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_larger_than_a_body_is_refused_unread() {
+/// The EPP binary in front of one simulator, Ready, and a channel to it.
+async fn serving_epp() -> (kinference_simulator::SimHandle, Epp, Channel) {
     let sim = kinference_simulator::spawn(
         kinference_simulator::SimConfig::default(),
         "127.0.0.1:0".parse().unwrap(),
@@ -231,6 +228,15 @@ async fn a_message_larger_than_a_body_is_refused_unread() {
     .unwrap();
     let epp = start_epp(sim.addr());
     let channel = wait_ready(&epp).await;
+    (sim, epp, channel)
+}
+
+/// One message larger than a whole body is refused by its length prefix,
+/// before its bytes are buffered: a stream cannot make the decoder hold
+/// more than a body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_larger_than_a_body_is_refused_unread() {
+    let (_sim, epp, channel) = serving_epp().await;
     let before = rss_bytes(epp.child.id());
     let mut client = ExternalProcessorClient::new(channel).max_encoding_message_size(64 * MIB);
     let (tx, rx) = mpsc::channel(2);
@@ -269,14 +275,7 @@ async fn a_message_larger_than_a_body_is_refused_unread() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_bodies_cannot_take_more_than_the_budget() {
-    let sim = kinference_simulator::spawn(
-        kinference_simulator::SimConfig::default(),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap();
-    let epp = start_epp(sim.addr());
-    let channel = wait_ready(&epp).await;
+    let (sim, epp, channel) = serving_epp().await;
     let before = rss_bytes(epp.child.id());
 
     let attacks: Vec<_> = (0..STREAMS)
