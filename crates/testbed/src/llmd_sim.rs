@@ -38,8 +38,23 @@ impl LlmdSim {
         block_size: u32,
         events: SocketAddr,
     ) -> anyhow::Result<LlmdSim> {
+        Self::start_with(bin, ip, port, model, block_size, events, &[]).await
+    }
+
+    /// [`LlmdSim::start`] with more of the simulator's flags (its LoRA
+    /// adapters, latencies).
+    pub async fn start_with(
+        bin: &Path,
+        ip: IpAddr,
+        port: u16,
+        model: &str,
+        block_size: u32,
+        events: SocketAddr,
+        extra: &[String],
+    ) -> anyhow::Result<LlmdSim> {
         let own = crate::free_port()?;
         let child = Command::new(bin)
+            .args(extra)
             .args(["--port", &own.to_string(), "--model", model])
             .args(["--enable-kvcache", "--kv-cache-size", "1024"])
             .args(["--block-size", &block_size.to_string()])

@@ -409,6 +409,24 @@ struct EngineAcc {
     num_gpu_blocks: Option<u64>,
 }
 
+impl LoraSeen {
+    /// Adds a series stamped at the same time: the adapters of both, the
+    /// larger bound.
+    fn merge(&mut self, other: LoraSeen) {
+        for adapter in other.running {
+            if !self.running.contains(&adapter) {
+                self.running.push(adapter);
+            }
+        }
+        for adapter in other.waiting {
+            if !self.waiting.contains(&adapter) {
+                self.waiting.push(adapter);
+            }
+        }
+        self.max = self.max.max(other.max);
+    }
+}
+
 /// The newest LoRA info series seen so far.
 struct LoraSeen {
     /// The sample value: when the engine last updated the info.
@@ -460,16 +478,24 @@ impl EngineAcc {
             }
         }
         // Several LoRA info series coexist; the newest one is the truth.
+        // Series as new as each other are merged: llm-d-inference-sim stamps
+        // them in whole seconds, so an adapter that started running in the
+        // second the idle series was written ties with it, and either one
+        // alone could be the stale one.
         if let Some(l) = &t.lora_info
             && s.name == l.metric
-            && self.lora.as_ref().is_none_or(|old| v > old.stamp)
         {
-            self.lora = Some(LoraSeen {
+            let seen = LoraSeen {
                 stamp: v,
                 running: adapter_list(s.label(l.running_label)),
                 waiting: adapter_list(s.label(l.waiting_label)),
                 max: s.label(l.max_label).and_then(|m| m.trim().parse().ok()),
-            });
+            };
+            match &mut self.lora {
+                Some(old) if v == old.stamp => old.merge(seen),
+                Some(old) if v < old.stamp => {}
+                _ => self.lora = Some(seen),
+            }
         }
         if let Some(c) = &t.cache_config
             && s.name == c.metric
@@ -1016,6 +1042,21 @@ nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm"
         assert_eq!(m.kv_cache_usage, 1.0);
         assert_eq!(m.waiting, 0.0);
         assert_eq!(m.running, 0.0);
+    }
+
+    /// llm-d-inference-sim's stamps are whole seconds: an idle series and
+    /// a running one written in the same second both count.
+    #[test]
+    fn lora_info_series_stamped_alike_are_merged() {
+        let text = r#"vllm:num_requests_waiting 0
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.796629823e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="tweet",waiting_lora_adapters=""} 1.796629823e+09
+vllm:lora_requests_info{max_lora="3",running_lora_adapters="news",waiting_lora_adapters="x"} 1.796629822e+09
+"#;
+        let m = metrics_from_exposition(text, Instant::now()).unwrap();
+        assert_eq!(m.running_loras, ["tweet"]);
+        assert!(m.waiting_loras.is_empty(), "an older series leaks");
+        assert_eq!(m.max_lora, Some(2));
     }
 
     #[test]
