@@ -114,6 +114,7 @@ impl FakeServer {
             ip: self.addr.ip(),
             port: self.addr.port(),
             models: vec!["m".into()],
+            adapters: Vec::new(),
             backend: None,
             zone: None,
             node: None,

@@ -3,11 +3,13 @@
 //! two adapters at once each). While one Pod runs `tweet`, as its
 //! `vllm:lora_requests_info` reports, the built-in default policy sends
 //! every `tweet` request there, through real Envoy, by the policy's
-//! `adapter` rule.
+//! `adapter` rule; and an adapter no Pod runs yet, known as one from
+//! `/v1/models`, never goes to a Pod whose adapter slots are all taken.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use kinference_epp::endpoints::discovery::fetch_served_models;
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::server::{Epp, Settings};
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
@@ -70,14 +72,24 @@ impl Pool {
         epp.policy()
             .load_text(kinference_epp::policy_store::DEFAULT_POLICY)
             .expect("the built-in policy");
-        // What discovery learns from each Pod's /v1/models: the base model
-        // and its adapters.
-        let models: Vec<&str> = std::iter::once(BASE).chain(ADAPTERS).collect();
-        let specs = sims.iter().enumerate().map(|(i, s)| {
-            let mut spec = EndpointSpec::new(s.addr.to_string(), &models);
+        // What discovery learns from each Pod's /v1/models (the same
+        // call): the base model, and the adapters, which name it as parent.
+        let http = reqwest::Client::new();
+        let mut specs = Vec::new();
+        for (i, s) in sims.iter().enumerate() {
+            let address = s.addr.to_string();
+            let served = fetch_served_models(&http, &address, Duration::from_secs(5))
+                .await
+                .expect("/v1/models");
+            let mut adapters = served.adapters.clone();
+            adapters.sort_unstable();
+            assert_eq!(adapters, ["news", "tweet"], "sim-{i}'s /v1/models");
+            let mut spec = EndpointSpec::new(address, &[]);
+            spec.models = served.models;
+            spec.adapters = served.adapters;
             spec.name = Some(format!("sim-{i}"));
-            spec
-        });
+            specs.push(spec);
+        }
         epp.registry()
             .replace_all(endpoints_from_specs(specs).unwrap());
         epp.registry().mark_synced();
@@ -102,7 +114,7 @@ impl Pool {
             epp,
             sims,
             envoy,
-            http: reqwest::Client::new(),
+            http,
         }
     }
 
@@ -121,6 +133,28 @@ impl Pool {
             let answer = http.post(url).json(&body).send().await.expect("an answer");
             assert_eq!(answer.status(), 200);
         })
+    }
+
+    /// Waits until the EPP's view of sim `i` has at least `n` requests
+    /// running.
+    async fn wait_load(&self, i: usize, n: f64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let address = self.sims[i].addr.to_string();
+        loop {
+            let running = self
+                .epp
+                .registry()
+                .snapshot()
+                .iter()
+                .find(|v| v.endpoint.address() == address)
+                .and_then(|v| v.metrics.clone())
+                .map_or(0.0, |m| m.running);
+            if running >= n {
+                return;
+            }
+            assert!(Instant::now() < deadline, "sim-{i} runs {running}, not {n}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Waits until the EPP's view of sim `i` has `adapter` running.
@@ -214,4 +248,29 @@ async fn an_adapters_requests_go_to_the_pod_running_it() {
         busy.abort();
         pool.stop().await;
     }
+}
+
+/// An adapter no Pod runs yet is known as one from `/v1/models`: its
+/// request takes the `adapter` rule, which drops the Pod whose only
+/// adapter slot another adapter holds, though by load that Pod would win.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_adapter_never_goes_to_a_pod_with_no_slot_free() {
+    // sim-0 holds one adapter at most and runs `news`; sim-1 runs two long
+    // base-model answers, so it is the busier one.
+    let pool = Pool::start(&[1, 2]).await;
+    let busy = [
+        pool.keep_busy(0, "news"),
+        pool.keep_busy(1, BASE),
+        pool.keep_busy(1, BASE),
+    ];
+    pool.wait_running(0, "news").await;
+    pool.wait_load(1, 2.0).await;
+    for n in 0..6 {
+        let id = format!("slot-{n}");
+        assert_eq!(pool.ask("tweet", &id).await, 1, "{id}");
+    }
+    for task in busy {
+        task.abort();
+    }
+    pool.stop().await;
 }

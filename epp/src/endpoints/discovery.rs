@@ -214,6 +214,9 @@ fn ready_endpoint(pod: &Pod) -> Option<Endpoint> {
         ip,
         port: 0,
         models,
+        // Only `/v1/models` says which are adapters (the poller, for Pods
+        // without the models label).
+        adapters: Vec::new(),
         backend,
         zone,
         node,
@@ -313,7 +316,7 @@ struct ModelsFound {
     name: String,
     ip: IpAddr,
     port: u16,
-    models: Vec<String>,
+    served: ServedModels,
 }
 
 struct Tracked {
@@ -542,9 +545,11 @@ impl DiscoveryState {
         if t.poller.is_none() || t.endpoint.ip != found.ip || t.endpoint.port != found.port {
             return;
         }
-        if t.endpoint.models != found.models {
-            info!(endpoint = %found.name, models = ?found.models, "learned models from /v1/models");
-            t.endpoint.models = found.models;
+        let ServedModels { models, adapters } = found.served;
+        if t.endpoint.models != models || t.endpoint.adapters != adapters {
+            info!(endpoint = %found.name, ?models, ?adapters, "learned models from /v1/models");
+            t.endpoint.models = models;
+            t.endpoint.adapters = adapters;
             self.registry.upsert(t.endpoint.clone());
         }
     }
@@ -573,18 +578,18 @@ async fn poll_models(
 ) {
     let address = std::net::SocketAddr::new(ip, port).to_string();
     let mut retry = MODELS_RETRY_MIN;
-    let mut last: Option<Vec<String>> = None;
+    let mut last: Option<ServedModels> = None;
     loop {
-        match fetch_models(&client, &address, MODELS_FETCH_TIMEOUT).await {
-            Ok(models) => {
+        match fetch_served_models(&client, &address, MODELS_FETCH_TIMEOUT).await {
+            Ok(served) => {
                 retry = MODELS_RETRY_MIN;
-                if last.as_ref() != Some(&models) {
-                    last = Some(models.clone());
+                if last.as_ref() != Some(&served) {
+                    last = Some(served.clone());
                     let found = ModelsFound {
                         name: name.clone(),
                         ip,
                         port,
-                        models,
+                        served,
                     };
                     if tx.send(found).is_err() {
                         return; // discovery stopped
@@ -609,36 +614,83 @@ struct ModelList {
 #[derive(Deserialize)]
 struct ModelEntry {
     id: String,
+    /// vLLM (and llm-d-inference-sim) name a LoRA adapter's base model here;
+    /// null for a base model.
+    #[serde(default)]
+    parent: Option<String>,
 }
 
-/// `GET http://<address>/v1/models` (OpenAI list shape `{"data":[{"id":..}]}`)
-/// and returns the model ids.
-pub async fn fetch_models(
+/// What one server's `/v1/models` lists.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServedModels {
+    /// Every model id, adapters included.
+    pub models: Vec<String>,
+    /// The ids that are LoRA adapters (they name a parent model).
+    pub adapters: Vec<String>,
+}
+
+impl ServedModels {
+    /// Reads an OpenAI `/v1/models` answer (`{"data":[{"id":..,"parent":..}]}`).
+    pub fn parse(body: &[u8]) -> anyhow::Result<ServedModels> {
+        let list: ModelList = serde_json::from_slice(body)?;
+        let mut served = ServedModels::default();
+        for entry in list.data {
+            let id = entry.id.trim().to_string();
+            if id.is_empty() || served.models.contains(&id) {
+                continue;
+            }
+            if entry.parent.is_some_and(|p| !p.trim().is_empty()) {
+                served.adapters.push(id.clone());
+            }
+            served.models.push(id);
+        }
+        Ok(served)
+    }
+}
+
+/// `GET http://<address>/v1/models`: the model ids and which are adapters.
+pub async fn fetch_served_models(
     client: &reqwest::Client,
     address: &str,
     timeout: Duration,
-) -> anyhow::Result<Vec<String>> {
-    let list: ModelList = client
+) -> anyhow::Result<ServedModels> {
+    let body = client
         .get(format!("http://{address}/v1/models"))
         .timeout(timeout)
         .send()
         .await?
         .error_for_status()?
-        .json()
+        .bytes()
         .await?;
-    let mut models: Vec<String> = list
-        .data
-        .into_iter()
-        .map(|m| m.id.trim().to_string())
-        .filter(|m| !m.is_empty())
-        .collect();
-    models.dedup();
-    Ok(models)
+    ServedModels::parse(&body)
+}
+
+/// [`fetch_served_models`]' model ids.
+pub async fn fetch_models(
+    client: &reqwest::Client,
+    address: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<String>> {
+    Ok(fetch_served_models(client, address, timeout).await?.models)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// llm-d-inference-sim v0.10.2's answer with `--lora-modules` for two
+    /// adapters (as it printed it), and vLLM's shape for a base model alone.
+    #[test]
+    fn adapters_are_the_models_that_name_a_parent() {
+        let sim = br#"{"object":"list","data":[{"id":"base-model","object":"model","created":1796629745,"owned_by":"vllm","root":"base-model","parent":null,"max_model_len":1024},{"id":"tweet","object":"model","created":1796629745,"owned_by":"vllm","root":"/adapters/tweet","parent":"base-model","max_model_len":1024},{"id":"news","object":"model","created":1796629745,"owned_by":"vllm","root":"/adapters/news","parent":"base-model","max_model_len":1024}]}"#;
+        let served = ServedModels::parse(sim).unwrap();
+        assert_eq!(served.models, ["base-model", "tweet", "news"]);
+        assert_eq!(served.adapters, ["tweet", "news"]);
+        let base_only = br#"{"data":[{"id":"Qwen/Qwen3-8B"},{"id":"Qwen/Qwen3-8B"}]}"#;
+        let served = ServedModels::parse(base_only).unwrap();
+        assert_eq!(served.models, ["Qwen/Qwen3-8B"]);
+        assert!(served.adapters.is_empty());
+    }
     use k8s_openapi::api::core::v1::{PodCondition, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 
@@ -915,7 +967,10 @@ mod tests {
             name: "u".into(),
             ip: stale_ip,
             port: 8000,
-            models: vec!["old".into()],
+            served: ServedModels {
+                models: vec!["old".into()],
+                adapters: Vec::new(),
+            },
         });
         assert!(
             reg.get("u").unwrap().models.is_empty(),
@@ -925,14 +980,20 @@ mod tests {
             name: "u".into(),
             ip,
             port: 8000,
-            models: vec!["llama".into()],
+            served: ServedModels {
+                models: vec!["llama".into()],
+                adapters: Vec::new(),
+            },
         });
         assert_eq!(reg.get("u").unwrap().models, ["llama"]);
         st.on_models(ModelsFound {
             name: "gone".into(),
             ip,
             port: 8000,
-            models: vec![],
+            served: ServedModels {
+                models: vec![],
+                adapters: Vec::new(),
+            },
         });
 
         // A status update keeps the learned models (and the poller).
@@ -946,7 +1007,10 @@ mod tests {
             name: "u".into(),
             ip,
             port: 8000,
-            models: vec!["llama".into()],
+            served: ServedModels {
+                models: vec!["llama".into()],
+                adapters: Vec::new(),
+            },
         });
         assert_eq!(reg.get("u").unwrap().models, ["pinned"]);
     }
@@ -1196,14 +1260,20 @@ mod tests {
             name: "u-rank-1".into(),
             ip,
             port: 8000,
-            models: vec!["wrong-port".into()],
+            served: ServedModels {
+                models: vec!["wrong-port".into()],
+                adapters: Vec::new(),
+            },
         });
         assert!(reg.get("u-rank-1").unwrap().models.is_empty());
         st.on_models(ModelsFound {
             name: "u-rank-1".into(),
             ip,
             port: 8001,
-            models: vec!["llama".into()],
+            served: ServedModels {
+                models: vec!["llama".into()],
+                adapters: Vec::new(),
+            },
         });
         assert_eq!(reg.get("u-rank-1").unwrap().models, ["llama"]);
         assert!(reg.get("u-rank-0").unwrap().models.is_empty());

@@ -63,6 +63,10 @@ pub struct Endpoint {
     /// Models (and LoRA adapters) this endpoint serves. Empty means "not known
     /// yet" (e.g. `/v1/models` has not answered): treat it as serving nothing.
     pub models: Vec<String>,
+    /// Which of `models` are LoRA adapters, as the server's `/v1/models`
+    /// says (an entry naming a parent model): known as adapters before any
+    /// request has run them.
+    pub adapters: Vec<String>,
     /// The serving stack / workload this endpoint belongs to (label
     /// `kinference.io/backend`, else the owning Deployment or StatefulSet).
     pub backend: Option<String>,
@@ -525,6 +529,7 @@ mod tests {
             ip: "10.0.0.1".parse().unwrap(),
             port,
             models: vec!["m".into()],
+            adapters: Vec::new(),
             backend: None,
             zone: None,
             node: None,

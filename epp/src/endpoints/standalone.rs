@@ -37,6 +37,9 @@ pub struct EndpointSpec {
     /// Models (and adapters) served.
     #[serde(default)]
     pub models: Vec<String>,
+    /// Which of `models` are LoRA adapters.
+    #[serde(default)]
+    pub adapters: Vec<String>,
     /// Backend (serving stack) name.
     #[serde(default)]
     pub backend: Option<String>,
@@ -123,6 +126,12 @@ pub fn endpoints_from_specs(
             port: addr.port(),
             models: spec
                 .models
+                .into_iter()
+                .map(|m| m.trim().to_string())
+                .filter(|m| !m.is_empty())
+                .collect(),
+            adapters: spec
+                .adapters
                 .into_iter()
                 .map(|m| m.trim().to_string())
                 .filter(|m| !m.is_empty())

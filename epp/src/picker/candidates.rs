@@ -703,7 +703,8 @@ pub(super) fn lora_adapter<'a>(
 ) -> Option<&'a str> {
     let named = |list: &[String]| list.iter().any(|a| a == model);
     pods.any(|pod| {
-        pod.state.kv.has_adapter(model)
+        named(&pod.endpoint.adapters)
+            || pod.state.kv.has_adapter(model)
             || pod
                 .metrics
                 .as_ref()
@@ -796,6 +797,7 @@ mod tests {
                 ip: "10.0.0.1".parse().unwrap(),
                 port: 8000,
                 models: vec!["base".into(), "sql-lora".into()],
+                adapters: Vec::new(),
                 backend: None,
                 zone: None,
                 node: None,
