@@ -48,52 +48,43 @@ fn dashboard_expressions() -> Vec<String> {
     out
 }
 
-/// Series names in an expression: identifiers followed by `{`, `[` or a
-/// space, that are neither PromQL keywords nor functions (followed by `(`).
+/// Series names in an expression, read from its syntax tree as Prometheus
+/// parses it (promql-parser): an expression that does not parse fails the
+/// test, as `promtool check rules` would. Grafana's `label_values(metric,
+/// label)` (a variable query, not PromQL) names its metric first.
 fn series_in(expr: &str) -> BTreeSet<String> {
-    const KEYWORDS: &[&str] = &[
-        "by",
-        "without",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
-        "and",
-        "or",
-        "unless",
-        "bool",
-        "offset",
-    ];
-    let mut out = BTreeSet::new();
-    let bytes = expr.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        let start = i;
-        while i < bytes.len()
-            && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_' || bytes[i] == b':')
-        {
-            i += 1;
-        }
-        if i > start {
-            let word = &expr[start..i];
-            let before = expr[..start].chars().last();
-            let next = expr[i..].trim_start().chars().next();
-            let inside_braces =
-                expr[..start].matches('{').count() > expr[..start].matches('}').count();
-            let is_name = word.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-                && !KEYWORDS.contains(&word)
-                && next != Some('(')
-                && !inside_braces
-                && before != Some('$')
-                && !matches!(before, Some('[') | Some('"'));
-            if is_name && word.contains('_') || word == "up" {
-                out.insert(word.to_string());
-            }
-        } else {
-            i += 1;
-        }
+    if let Some(args) = expr.trim().strip_prefix("label_values(") {
+        let metric = args.split([',', ')']).next().unwrap_or_default().trim();
+        return series_in(metric);
     }
+    let tree = promql_parser::parser::parse(expr)
+        .unwrap_or_else(|e| panic!("`{}` is not PromQL: {e}", expr.trim()));
+    let mut out = BTreeSet::new();
+    collect_series(&tree, &mut out);
     out
+}
+
+fn collect_series(expr: &promql_parser::parser::Expr, out: &mut BTreeSet<String>) {
+    use promql_parser::parser::Expr;
+    match expr {
+        Expr::VectorSelector(vs) => out.extend(vs.name.clone()),
+        Expr::MatrixSelector(ms) => out.extend(ms.vs.name.clone()),
+        Expr::Aggregate(a) => {
+            collect_series(&a.expr, out);
+            if let Some(param) = &a.param {
+                collect_series(param, out);
+            }
+        }
+        Expr::Unary(u) => collect_series(&u.expr, out),
+        Expr::Binary(b) => {
+            collect_series(&b.lhs, out);
+            collect_series(&b.rhs, out);
+        }
+        Expr::Paren(p) => collect_series(&p.expr, out),
+        Expr::Subquery(q) => collect_series(&q.expr, out),
+        Expr::Call(c) => c.args.args.iter().for_each(|a| collect_series(a, out)),
+        Expr::NumberLiteral(_) | Expr::StringLiteral(_) | Expr::Extension(_) => {}
+    }
 }
 
 /// The series an exposition offers: every sample's name, and every
@@ -172,6 +163,12 @@ fn every_rule_and_panel_names_a_series_the_binaries_export() {
         missing.is_empty(),
         "not exported: {missing:#?}\nexported: {offered:#?}"
     );
+}
+
+#[test]
+#[should_panic(expected = "is not PromQL")]
+fn an_expression_that_does_not_parse_fails() {
+    series_in("sum(rate(kinference_epp_decisions_total[5m]) by (rule)");
 }
 
 #[test]
