@@ -547,6 +547,11 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
         node_selector: Some([("pool".to_string(), "cpu".to_string())].into()),
         priority_class_name: Some("system-cluster-critical".into()),
         scrape_interval: Some("250ms".into()),
+        log_level: Some(kinference_api::EppLogLevel::Debug),
+        decision_log: Some(kinference_api::DecisionLogSpec {
+            max_size: Some("32Mi".into()),
+            sample: Some(0.5),
+        }),
         ..Default::default()
     });
     policies.create(&PostParams::default(), &open).await?;
@@ -580,9 +585,31 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
         Some("system-cluster-critical")
     );
     let args = pod.containers[0].args.clone().unwrap_or_default();
+    for arg in [
+        "--scrape-interval-ms=250",
+        "--decision-log=/var/log/kinference/decisions.jsonl",
+        "--decision-log-max-bytes=33554432",
+        "--decision-log-sample=0.5",
+    ] {
+        assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
+    }
+    // The decision log's volume, as the API server stored its limit.
+    let volume = pod
+        .volumes
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .find(|v| v.name == "decision-log")
+        .context("no decision-log volume")?;
+    assert_eq!(
+        volume.empty_dir.and_then(|e| e.size_limit).map(|q| q.0),
+        Some("34603008".to_string())
+    );
+    let env = pod.containers[0].env.clone().unwrap_or_default();
     assert!(
-        args.contains(&"--scrape-interval-ms=250".to_string()),
-        "{args:?}"
+        env.iter()
+            .any(|e| e.name == "RUST_LOG" && e.value.as_deref() == Some("debug")),
+        "{env:?}"
     );
 
     // Two replicas: a budget lets one go at a time; back to one: none.

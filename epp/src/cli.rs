@@ -196,6 +196,11 @@ pub struct Args {
     /// The share of decisions written to the decision log, 0 to 1.
     #[arg(long, default_value_t = 1.0, value_parser = parse_share)]
     pub decision_log_sample: f64,
+    /// Keep a file decision log under this many bytes on disk: at half of
+    /// it the file is renamed `<path>.1` (replacing the previous one) and a
+    /// new one starts. Unset: unbounded.
+    #[arg(long, value_name = "BYTES")]
+    pub decision_log_max_bytes: Option<u64>,
     // `--log-format json|text`, the same flag as the operator's.
     #[command(flatten)]
     pub logs: LogArgs,

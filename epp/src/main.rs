@@ -67,8 +67,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(target) = &args.decision_log {
         let target = LogTarget::parse(target);
         let dropped = epp.picker.metrics.decision_log_dropped();
-        let log = DecisionLog::start(&target, args.decision_log_sample, dropped)
-            .with_context(|| format!("opening the decision log {target:?}"))?;
+        let log = DecisionLog::start(
+            &target,
+            args.decision_log_sample,
+            dropped,
+            args.decision_log_max_bytes,
+        )
+        .with_context(|| format!("opening the decision log {target:?}"))?;
         let _ = epp.picker.decision_log.set(log);
         tracing::info!(target = ?target, sample = args.decision_log_sample, "writing a decision log");
     }

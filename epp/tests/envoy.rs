@@ -1017,7 +1017,13 @@ async fn the_decision_log_replays_to_the_decisions_made_behind_envoy() {
     let stack = Stack::start(Setup::new(Template::Streamed, BY_TENANT, ab())).await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("decisions.jsonl");
-    let log = DecisionLog::start(&LogTarget::File(path.clone()), 1.0, Default::default()).unwrap();
+    let log = DecisionLog::start(
+        &LogTarget::File(path.clone()),
+        1.0,
+        Default::default(),
+        None,
+    )
+    .unwrap();
     assert!(stack.epp.picker.decision_log.set(log).is_ok());
     let sent = [("alice", "a"), ("bob", "b"), ("alice", "a")];
     for (tenant, pod) in sent {

@@ -205,7 +205,7 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         // Truncated: a demo run's log holds that run's decisions only.
         std::fs::write(path, "").with_context(|| format!("creating {}", path.display()))?;
         let target = LogTarget::File(path.clone());
-        let log = DecisionLog::start(&target, 1.0, Default::default())
+        let log = DecisionLog::start(&target, 1.0, Default::default(), None)
             .with_context(|| format!("opening {}", path.display()))?;
         let _ = epp.picker.decision_log.set(log);
     }

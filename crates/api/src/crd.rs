@@ -200,6 +200,13 @@ pub struct EndpointPickerSpec {
     /// The EPP's log format: `json` (the default) or `text`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_format: Option<EppLogFormat>,
+    /// The EPP's log level (default `info`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<EppLogLevel>,
+    /// A decision log for `kinference replay` and `kinference diff`, on a
+    /// volume of each EPP Pod, bounded in size. Off unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision_log: Option<DecisionLogSpec>,
     /// How often the EPP scrapes each model server's metrics (default
     /// `50ms`; from `10ms` to `60s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -212,6 +219,44 @@ pub struct EndpointPickerSpec {
 pub enum EppLogFormat {
     Json,
     Text,
+}
+
+/// The EPP's log level (`RUST_LOG`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EppLogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl EppLogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EppLogLevel::Error => "error",
+            EppLogLevel::Warn => "warn",
+            EppLogLevel::Info => "info",
+            EppLogLevel::Debug => "debug",
+            EppLogLevel::Trace => "trace",
+        }
+    }
+}
+
+/// The EPP's decision log: one JSON line per sampled decision (never prompt
+/// text), in a file on an `emptyDir` volume of the Pod.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DecisionLogSpec {
+    /// The most the log takes on disk, as a quantity (`64Mi` by default;
+    /// from `1Mi` to `10Gi`): the file is rotated at half of it, keeping
+    /// one previous file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size: Option<String>,
+    /// The share of decisions logged, from 0 to 1 (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample: Option<f64>,
 }
 
 /// The largest `spec.endpointPicker.replicas`.

@@ -15,10 +15,10 @@ pub use admission::{
     admission_yaml,
 };
 pub use crd::{
-    ClientCaRef, DEFAULT_KV_EVENTS_PORT, EndpointPickerSpec, EppLogFormat, EppNetworkPolicySpec,
-    FailureMode, INFERENCE_POOL_GROUP, InferencePolicy, InferencePolicySpec, InferencePolicyStatus,
-    MAX_DATA_PARALLEL_SIZE, MAX_EPP_REPLICAS, PolicyTargetReference, PrecisePrefixSpec,
-    PublisherMode, TokenizerSource, crd, crd_yaml,
+    ClientCaRef, DEFAULT_KV_EVENTS_PORT, DecisionLogSpec, EndpointPickerSpec, EppLogFormat,
+    EppLogLevel, EppNetworkPolicySpec, FailureMode, INFERENCE_POOL_GROUP, InferencePolicy,
+    InferencePolicySpec, InferencePolicyStatus, MAX_DATA_PARALLEL_SIZE, MAX_EPP_REPLICAS,
+    PolicyTargetReference, PrecisePrefixSpec, PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
 pub use inference_pool::{

@@ -8,6 +8,10 @@
 //! capped at [`QUEUE`] lines and [`QUEUE_BYTES`] bytes, whatever the pool's
 //! size; past either, new records are dropped and counted
 //! (`kinference_epp_decision_log_dropped_total`).
+//!
+//! A file log can be bounded (`--decision-log-max-bytes`): at half the bound
+//! the file becomes `<path>.1` (replacing the previous one) and a new file
+//! starts, so the two never hold more than the bound together.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -53,17 +57,17 @@ pub struct DecisionLog {
 }
 
 impl DecisionLog {
-    /// Opens `target` and starts the writer thread.
-    pub fn start(target: &LogTarget, sample: f64, dropped: Counter) -> std::io::Result<Self> {
+    /// Opens `target` and starts the writer thread. A file stays under
+    /// `max_bytes` on disk with its one rotated predecessor, if given.
+    pub fn start(
+        target: &LogTarget,
+        sample: f64,
+        dropped: Counter,
+        max_bytes: Option<u64>,
+    ) -> std::io::Result<Self> {
         let out: Output = match target {
             LogTarget::Stdout => Output::Stdout,
-            LogTarget::File(path) => Output::File(std::io::BufWriter::with_capacity(
-                64 * 1024,
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            )),
+            LogTarget::File(path) => Output::File(LogFile::open(path.clone(), max_bytes)?),
         };
         let (tx, rx) = sync_channel(QUEUE);
         let queued_bytes = Arc::new(AtomicUsize::new(0));
@@ -104,7 +108,64 @@ impl DecisionLog {
 
 enum Output {
     Stdout,
-    File(std::io::BufWriter<std::fs::File>),
+    File(LogFile),
+}
+
+/// The log file, rotated at half its bound.
+struct LogFile {
+    writer: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+    /// Bytes in the current file.
+    written: u64,
+    /// The current file's size at which it is rotated.
+    rotate_at: Option<u64>,
+}
+
+impl LogFile {
+    fn open(path: PathBuf, max_bytes: Option<u64>) -> std::io::Result<LogFile> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
+        let written = file.metadata()?.len();
+        Ok(LogFile {
+            writer: std::io::BufWriter::with_capacity(64 * 1024, file),
+            path,
+            written,
+            rotate_at: max_bytes.map(|m| (m / 2).max(1)),
+        })
+    }
+
+    fn write_line(&mut self, line: &str) -> std::io::Result<()> {
+        let len = line.len() as u64;
+        if let Some(limit) = self.rotate_at {
+            // A line longer than the limit alone is not kept.
+            if len > limit {
+                return Ok(());
+            }
+            if self.written + len > limit {
+                self.rotate()?;
+            }
+        }
+        self.writer.write_all(line.as_bytes())?;
+        self.written += len;
+        Ok(())
+    }
+
+    /// The current file becomes `<path>.1`; a new one starts.
+    fn rotate(&mut self) -> std::io::Result<()> {
+        self.writer.flush()?;
+        let mut rotated = self.path.clone().into_os_string();
+        rotated.push(".1");
+        std::fs::rename(&self.path, &rotated)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        self.writer = std::io::BufWriter::with_capacity(64 * 1024, file);
+        self.written = 0;
+        Ok(())
+    }
 }
 
 impl Output {
@@ -117,14 +178,14 @@ impl Output {
                 out.write_all(line.as_bytes())?;
                 out.flush()
             }
-            Output::File(f) => f.write_all(line.as_bytes()),
+            Output::File(f) => f.write_line(line),
         }
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
         match self {
             Output::Stdout => Ok(()),
-            Output::File(f) => f.flush(),
+            Output::File(f) => f.writer.flush(),
         }
     }
 }
@@ -157,5 +218,55 @@ fn report(failing: &mut bool, result: std::io::Result<()>) {
             *failing = false;
         }
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(n: usize) -> String {
+        format!("{{\"n\":{n},\"pad\":\"{}\"}}\n", "x".repeat(80))
+    }
+
+    #[test]
+    fn a_bounded_file_rotates_at_half_and_never_holds_more_than_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("decisions.jsonl");
+        let mut log = LogFile::open(path.clone(), Some(2_000)).unwrap();
+        for n in 0..100 {
+            log.write_line(&line(n)).unwrap();
+        }
+        log.writer.flush().unwrap();
+        let current = std::fs::read_to_string(&path).unwrap();
+        let previous = std::fs::read_to_string(dir.path().join("decisions.jsonl.1")).unwrap();
+        assert!(current.len() <= 1_000, "{}", current.len());
+        assert!(previous.len() <= 1_000, "{}", previous.len());
+        // Whole lines, the newest last, the previous file just before them.
+        let last: serde_json::Value =
+            serde_json::from_str(current.lines().last().unwrap()).unwrap();
+        assert_eq!(last["n"], 99);
+        let first_now: serde_json::Value =
+            serde_json::from_str(current.lines().next().unwrap()).unwrap();
+        let last_before: serde_json::Value =
+            serde_json::from_str(previous.lines().last().unwrap()).unwrap();
+        assert_eq!(
+            last_before["n"].as_u64().unwrap() + 1,
+            first_now["n"].as_u64().unwrap()
+        );
+    }
+
+    #[test]
+    fn an_unbounded_file_keeps_everything_and_appends_to_what_was_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("decisions.jsonl");
+        std::fs::write(&path, line(0)).unwrap();
+        let mut log = LogFile::open(path.clone(), None).unwrap();
+        for n in 1..50 {
+            log.write_line(&line(n)).unwrap();
+        }
+        log.writer.flush().unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 50);
+        assert!(!dir.path().join("decisions.jsonl.1").exists());
     }
 }

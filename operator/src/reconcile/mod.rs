@@ -247,6 +247,23 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
             "spec.endpointPicker.scrapeInterval: {interval:?} is not a duration from 10ms to 60s"
         ));
     }
+    if let Some(log) = spec.endpoint_picker().and_then(|e| e.decision_log.as_ref()) {
+        if let Some(max) = &log.max_size
+            && !resources::quantity_bytes(max)
+                .is_some_and(|b| resources::DECISION_LOG_SIZES.contains(&b))
+        {
+            other_errors.push(format!(
+                "spec.endpointPicker.decisionLog.maxSize: {max:?} is not a size from 1Mi to 10Gi"
+            ));
+        }
+        if let Some(sample) = log.sample
+            && !(0.0..=1.0).contains(&sample)
+        {
+            other_errors.push(format!(
+                "spec.endpointPicker.decisionLog.sample: {sample} is not from 0 to 1"
+            ));
+        }
+    }
     if let Some(replicas) = spec.epp_replicas()
         && !(1..=kinference_api::MAX_EPP_REPLICAS).contains(&replicas)
     {
@@ -513,6 +530,28 @@ mod tests {
         let mut s = spec(example_spec());
         s.endpoint_picker = Some(picker);
         compile("chat", &s).err()
+    }
+
+    #[test]
+    fn a_decision_log_out_of_range_is_refused_with_its_path() {
+        let log = |max: &str, sample: f64| {
+            errors_with(kinference_api::EndpointPickerSpec {
+                decision_log: Some(kinference_api::DecisionLogSpec {
+                    max_size: Some(max.into()),
+                    sample: Some(sample),
+                }),
+                ..Default::default()
+            })
+        };
+        assert_eq!(log("64Mi", 0.5), None);
+        assert_eq!(log("10Gi", 1.0), None);
+        let refused = [
+            log("512Ki", 1.0),
+            log("20Gi", 1.0),
+            log("lots", 1.0),
+            log("64Mi", 1.5),
+        ];
+        insta::assert_yaml_snapshot!(refused);
     }
 
     #[test]

@@ -222,6 +222,26 @@ pub fn deployment(
     if tuned.log_format == Some(EppLogFormat::Text) {
         args.push("--log-format=text".into());
     }
+    if let Some(bytes) = tuned.decision_log.as_ref().and_then(decision_log_bytes) {
+        args.push(format!(
+            "--decision-log={DECISION_LOG_DIR}/{DECISION_LOG_FILE}"
+        ));
+        args.push(format!("--decision-log-max-bytes={bytes}"));
+        if let Some(sample) = tuned.decision_log.as_ref().and_then(|d| d.sample) {
+            args.push(format!("--decision-log-sample={sample}"));
+        }
+        mounts.push(mount("decision-log", DECISION_LOG_DIR, false));
+        volumes.push(Volume {
+            name: "decision-log".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                // The log's own bound, and room for the write buffer: the
+                // kubelet evicts a Pod over its volume's limit.
+                size_limit: Some(quantity(&(bytes + (1 << 20)).to_string())),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+    }
     if let Some(interval) = tuned
         .scrape_interval
         .as_deref()
@@ -281,10 +301,20 @@ pub fn deployment(
         image: Some(epp.image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
         args: Some(args),
-        env: Some(vec![
-            field_env("POD_NAME", "metadata.name"),
-            field_env("POD_NAMESPACE", "metadata.namespace"),
-        ]),
+        env: Some(
+            [
+                Some(field_env("POD_NAME", "metadata.name")),
+                Some(field_env("POD_NAMESPACE", "metadata.namespace")),
+                tuned.log_level.map(|level| EnvVar {
+                    name: "RUST_LOG".into(),
+                    value: Some(level.as_str().into()),
+                    ..EnvVar::default()
+                }),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+        ),
         ports: Some(ports),
         readiness_probe: Some(grpc_probe("readiness", 5)),
         liveness_probe: Some(grpc_probe("liveness", 10)),
@@ -377,6 +407,49 @@ pub fn scrape_interval_ms(text: &str) -> Option<u64> {
     SCRAPE_INTERVALS
         .contains(&d)
         .then(|| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Where the EPP writes its decision log: an `emptyDir` of its own.
+pub const DECISION_LOG_DIR: &str = "/var/log/kinference";
+const DECISION_LOG_FILE: &str = "decisions.jsonl";
+/// The decision log's bound on disk when the policy names none.
+const DEFAULT_DECISION_LOG_BYTES: u64 = 64 << 20;
+/// The bounds a policy may set.
+pub const DECISION_LOG_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(10 << 30);
+
+/// The decision log's bound in bytes, if `spec` is valid (its size within
+/// [`DECISION_LOG_SIZES`], its sample from 0 to 1).
+pub fn decision_log_bytes(spec: &kinference_api::DecisionLogSpec) -> Option<u64> {
+    if spec.sample.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
+        return None;
+    }
+    let bytes = match spec.max_size.as_deref() {
+        Some(text) => quantity_bytes(text)?,
+        None => DEFAULT_DECISION_LOG_BYTES,
+    };
+    DECISION_LOG_SIZES.contains(&bytes).then_some(bytes)
+}
+
+/// The bytes a Kubernetes quantity of bytes says (`64Mi`, `1Gi`, `500M`,
+/// `1048576`); None for anything else (fractions, `m`, exponents).
+pub fn quantity_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    let unit: u64 = match suffix {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(unit)
 }
 
 /// The scrape intervals a policy may ask for: more often than 10 ms
@@ -666,5 +739,84 @@ mod tests {
         for (k, v) in &selector {
             assert_eq!(labels.get(k), Some(v), "{k}");
         }
+    }
+
+    #[test]
+    fn quantities_of_bytes_are_read_and_others_refused() {
+        for (text, bytes) in [
+            ("64Mi", Some(64 << 20)),
+            ("1Gi", Some(1 << 30)),
+            ("500M", Some(500_000_000)),
+            ("1048576", Some(1 << 20)),
+            ("1.5Gi", None),
+            ("100m", None),
+            ("1e6", None),
+            ("Mi", None),
+            ("", None),
+        ] {
+            assert_eq!(super::quantity_bytes(text), bytes, "{text}");
+        }
+    }
+
+    #[test]
+    fn a_decision_log_gets_its_volume_bound_and_arguments_and_a_log_level_its_env() {
+        let (mut policy, compiled) = example();
+        policy.spec.endpoint_picker = Some(kinference_api::EndpointPickerSpec {
+            decision_log: Some(kinference_api::DecisionLogSpec {
+                max_size: Some("16Mi".into()),
+                sample: Some(0.25),
+            }),
+            log_level: Some(kinference_api::EppLogLevel::Debug),
+            ..Default::default()
+        });
+        let pod = desired(&policy, &compiled, &settings())
+            .deployment
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap();
+        let container = &pod.containers[0];
+        let args = container.args.clone().unwrap();
+        for arg in [
+            "--decision-log=/var/log/kinference/decisions.jsonl",
+            "--decision-log-max-bytes=16777216",
+            "--decision-log-sample=0.25",
+        ] {
+            assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
+        }
+        let volume = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "decision-log")
+            .expect("the decision log's volume");
+        assert_eq!(
+            volume.empty_dir.unwrap().size_limit.unwrap().0,
+            (17u64 << 20).to_string()
+        );
+        let mount = container
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.name == "decision-log")
+            .expect("mounted");
+        assert_eq!(mount.mount_path, "/var/log/kinference");
+        assert_eq!(mount.read_only, None);
+        let env = container.env.as_ref().unwrap();
+        let level = env.iter().find(|e| e.name == "RUST_LOG").expect("RUST_LOG");
+        assert_eq!(level.value.as_deref(), Some("debug"));
+        // Off by default: no volume, no argument.
+        let (plain, _) = example();
+        let d = desired(&plain, &compiled, &settings()).deployment;
+        let args = d.spec.unwrap().template.spec.unwrap().containers[0]
+            .args
+            .clone()
+            .unwrap();
+        assert!(
+            !args.iter().any(|a| a.starts_with("--decision-log")),
+            "{args:?}"
+        );
     }
 }
