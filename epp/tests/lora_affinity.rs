@@ -6,16 +6,17 @@
 //! `adapter` rule; and an adapter no Pod runs yet, known as one from
 //! `/v1/models`, never goes to a Pod whose adapter slots are all taken.
 
+mod support;
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::discovery::fetch_served_models;
-use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::endpoints::{EndpointSpec, ScrapedMetrics};
 use kinference_epp::server::{Epp, Settings};
-use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
+use kinference_testbed::envoy::Envoy;
 use kinference_testbed::llmd_sim::{LlmdSim, ensure_llmd_sim};
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
 
 const BASE: &str = "base-model";
 const ADAPTERS: [&str; 2] = ["tweet", "news"];
@@ -90,26 +91,8 @@ impl Pool {
             spec.name = Some(format!("sim-{i}"));
             specs.push(spec);
         }
-        epp.registry()
-            .replace_all(endpoints_from_specs(specs).unwrap());
-        epp.registry().mark_synced();
-        epp.spawn_scraper();
-        let ext_proc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let ext_proc_addr = ext_proc.local_addr().unwrap();
-        tokio::spawn({
-            let epp = epp.clone();
-            async move { epp.serve_ext_proc(ext_proc, std::future::pending()).await }
-        });
-        let bootstrap = Bootstrap {
-            pool: sims.iter().map(|s| s.addr).collect(),
-            ..Bootstrap::new(Template::Streamed, ext_proc_addr)
-        };
-        let envoy = Envoy::start(&bootstrap).await.expect("Envoy starts");
-        assert!(
-            epp.registry()
-                .wait_until_scraped(Duration::from_secs(10))
-                .await
-        );
+        let pool = sims.iter().map(|s| s.addr).collect();
+        let envoy = support::serve_behind_envoy(&epp, specs, pool).await;
         Pool {
             epp,
             sims,
@@ -138,43 +121,37 @@ impl Pool {
     /// Waits until the EPP's view of sim `i` has at least `n` requests
     /// running.
     async fn wait_load(&self, i: usize, n: f64) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let address = self.sims[i].addr.to_string();
-        loop {
-            let running = self
-                .epp
-                .registry()
-                .snapshot()
-                .iter()
-                .find(|v| v.endpoint.address() == address)
-                .and_then(|v| v.metrics.clone())
-                .map_or(0.0, |m| m.running);
-            if running >= n {
-                return;
-            }
-            assert!(Instant::now() < deadline, "sim-{i} runs {running}, not {n}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.wait_scraped(i, &format!("{n} requests running"), |m| m.running >= n)
+            .await;
     }
 
     /// Waits until the EPP's view of sim `i` has `adapter` running.
     async fn wait_running(&self, i: usize, adapter: &str) {
+        self.wait_scraped(i, &format!("{adapter} running"), |m| {
+            m.running_loras.iter().any(|a| a == adapter)
+        })
+        .await;
+    }
+
+    /// Waits until the EPP's last scrape of sim `i` shows `what`; on a
+    /// timeout, fails with the sim's own LoRA and load lines.
+    async fn wait_scraped(&self, i: usize, what: &str, shows: impl Fn(&ScrapedMetrics) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
         let address = self.sims[i].addr.to_string();
         loop {
-            let running = self
+            let seen = self
                 .epp
                 .registry()
                 .snapshot()
                 .iter()
                 .find(|v| v.endpoint.address() == address)
                 .and_then(|v| v.metrics.clone())
-                .is_some_and(|m| m.running_loras.iter().any(|a| a == adapter));
-            if running {
+                .is_some_and(|m| shows(&m));
+            if seen {
                 return;
             }
             if Instant::now() > deadline {
-                let metrics = match self
+                let page = match self
                     .http
                     .get(format!("http://{address}/metrics"))
                     .send()
@@ -183,11 +160,11 @@ impl Pool {
                     Ok(r) => r.text().await.unwrap_or_default(),
                     Err(e) => e.to_string(),
                 };
-                let metrics: Vec<&str> = metrics
+                let lines: Vec<&str> = page
                     .lines()
                     .filter(|l| l.contains("lora") || l.contains("num_requests"))
                     .collect();
-                panic!("sim-{i} never reported {adapter} running; its /metrics: {metrics:?}");
+                panic!("sim-{i} never showed {what}; its /metrics: {lines:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -4,16 +4,18 @@
 //! matched by the EPP's `simulator-dummy` tokenizer (for tests only); given
 //! another tokenizer (Qwen3's), the EPP must notice from the answers.
 
+mod support;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
+use kinference_epp::endpoints::EndpointSpec;
 use kinference_epp::kv_events::Freshness;
 use kinference_epp::kv_events::subscriber::Source;
 use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::server::Epp;
 use kinference_epp::server::Settings;
-use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
+use kinference_testbed::envoy::Envoy;
 use kinference_testbed::llmd_sim::{LlmdSim, ensure_llmd_sim};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -157,26 +159,8 @@ impl Pool {
             spec.name = Some(format!("sim-{i}"));
             spec
         });
-        epp.registry()
-            .replace_all(endpoints_from_specs(specs).unwrap());
-        epp.registry().mark_synced();
-        epp.spawn_scraper();
-        let ext_proc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let ext_proc_addr = ext_proc.local_addr().unwrap();
-        tokio::spawn({
-            let epp = epp.clone();
-            async move { epp.serve_ext_proc(ext_proc, std::future::pending()).await }
-        });
-        let bootstrap = Bootstrap {
-            pool: sims.iter().map(|s| s.addr).collect(),
-            ..Bootstrap::new(Template::Streamed, ext_proc_addr)
-        };
-        let envoy = Envoy::start(&bootstrap).await.expect("Envoy starts");
-        assert!(
-            epp.registry()
-                .wait_until_scraped(Duration::from_secs(10))
-                .await
-        );
+        let pool = sims.iter().map(|s| s.addr).collect();
+        let envoy = support::serve_behind_envoy(&epp, specs.collect(), pool).await;
         Pool {
             epp,
             sims,
