@@ -269,6 +269,22 @@ async fn wait_condition(
     .await
 }
 
+/// Waits until the policy's `type_` condition has `reason`.
+async fn wait_reason(
+    api: &Api<InferencePolicy>,
+    name: &str,
+    type_: &str,
+    reason: &str,
+) -> Result<(InferencePolicy, Condition)> {
+    eventually(&format!("{name} {type_} {reason}"), async || {
+        let p = api.get(name).await?;
+        Ok(condition(&p, type_)
+            .filter(|c| c.reason == reason)
+            .map(|c| (p, c)))
+    })
+    .await
+}
+
 /// `Kind/name` -> resourceVersion of everything labelled for `policy`, plus
 /// the policy itself.
 async fn resource_versions(client: &Client, policy: &str) -> Result<BTreeMap<String, String>> {
@@ -793,13 +809,7 @@ async fn a_policy_attached_to_an_existing_pool_gets_its_epp_and_leaves_the_pool_
     make_epp_available(&client, "chat").await?;
     create_epp_pod(&client, "chat").await?;
     report(&client, "chat", &epp_pod("chat"), &hash_of(&spec)?, &[]).await?;
-    let (_, ready) = eventually("chat NotAttached", async || {
-        let p = policies.get("chat").await?;
-        Ok(condition(&p, "Ready")
-            .filter(|c| c.reason == "NotAttached")
-            .map(|c| (p, c)))
-    })
-    .await?;
+    let (_, ready) = wait_reason(&policies, "chat", "Ready", "NotAttached").await?;
     assert_eq!(
         ready.message,
         "InferencePool team-a/shared sends its requests to the EPP Service \"vllm-epp\", not to \
@@ -1089,13 +1099,7 @@ async fn policy_lifecycle() -> Result<()> {
     // --- Ready: the Deployment becomes available, then the EPP Pod reports
     // the accepted hash.
     make_epp_available(&client, "chat").await?;
-    let (_, ready) = eventually("Ready=False/PolicyNotLoaded", async || {
-        let p = policies.get("chat").await?;
-        Ok(condition(&p, "Ready")
-            .filter(|c| c.reason == "PolicyNotLoaded")
-            .map(|c| (p, c)))
-    })
-    .await?;
+    let (_, ready) = wait_reason(&policies, "chat", "Ready", "PolicyNotLoaded").await?;
     assert_eq!(ready.status, "False");
     assert!(
         ready.message.contains("(loaded: 000000000000)"),
@@ -1224,13 +1228,7 @@ async fn policy_lifecycle() -> Result<()> {
         .await?;
     assert_eq!(cm.data.context("data")?[POLICY_HASH_KEY], new_hash);
     // The EPP has not loaded the new hash yet.
-    let (p, _) = eventually("Ready=False/PolicyNotLoaded", async || {
-        let p = policies.get("chat").await?;
-        Ok(condition(&p, "Ready")
-            .filter(|c| c.reason == "PolicyNotLoaded")
-            .map(|c| (p, c)))
-    })
-    .await?;
+    let (p, _) = wait_reason(&policies, "chat", "Ready", "PolicyNotLoaded").await?;
     assert_eq!(
         p.status.context("status")?.policy_hash.as_deref(),
         Some(new_hash.as_str())
