@@ -259,12 +259,9 @@ async fn wait_condition(
     type_: &str,
     status: &str,
 ) -> Result<(InferencePolicy, Condition)> {
-    eventually(&format!("{name} {type_}={status}"), async || {
-        let p = api.get(name).await?;
-        let current = p.metadata.generation;
-        Ok(condition(&p, type_)
-            .filter(|c| c.status == status && c.observed_generation == current)
-            .map(|c| (p, c)))
+    let what = format!("{type_}={status}");
+    wait_for_condition(api, name, type_, &what, |p, c| {
+        c.status == status && c.observed_generation == p.metadata.generation
     })
     .await
 }
@@ -276,10 +273,21 @@ async fn wait_reason(
     type_: &str,
     reason: &str,
 ) -> Result<(InferencePolicy, Condition)> {
-    eventually(&format!("{name} {type_} {reason}"), async || {
+    wait_for_condition(api, name, type_, reason, |_, c| c.reason == reason).await
+}
+
+/// Waits until the policy's `type_` condition passes `holds`.
+async fn wait_for_condition(
+    api: &Api<InferencePolicy>,
+    name: &str,
+    type_: &str,
+    what: &str,
+    holds: impl Fn(&InferencePolicy, &Condition) -> bool,
+) -> Result<(InferencePolicy, Condition)> {
+    eventually(&format!("{name} {type_} {what}"), async || {
         let p = api.get(name).await?;
         Ok(condition(&p, type_)
-            .filter(|c| c.reason == reason)
+            .filter(|c| holds(&p, c))
             .map(|c| (p, c)))
     })
     .await
