@@ -248,21 +248,7 @@ fn compile(name: &str, spec: &InferencePolicySpec) -> Result<CompiledPolicy, Vec
         ));
     }
     if let Some(log) = spec.endpoint_picker().and_then(|e| e.decision_log.as_ref()) {
-        if let Some(max) = &log.max_size
-            && !resources::quantity_bytes(max)
-                .is_some_and(|b| resources::DECISION_LOG_SIZES.contains(&b))
-        {
-            other_errors.push(format!(
-                "spec.endpointPicker.decisionLog.maxSize: {max:?} is not a size from 1Mi to 10Gi"
-            ));
-        }
-        if let Some(sample) = log.sample
-            && !(0.0..=1.0).contains(&sample)
-        {
-            other_errors.push(format!(
-                "spec.endpointPicker.decisionLog.sample: {sample} is not from 0 to 1"
-            ));
-        }
+        other_errors.extend(resources::decision_log_errors(log));
     }
     if let Some(replicas) = spec.epp_replicas()
         && !(1..=kinference_api::MAX_EPP_REPLICAS).contains(&replicas)

@@ -417,17 +417,39 @@ const DEFAULT_DECISION_LOG_BYTES: u64 = 64 << 20;
 /// The bounds a policy may set.
 pub const DECISION_LOG_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(10 << 30);
 
-/// The decision log's bound in bytes, if `spec` is valid (its size within
-/// [`DECISION_LOG_SIZES`], its sample from 0 to 1).
+/// The decision log's bound in bytes, if `spec` is valid (see
+/// [`decision_log_errors`]).
 pub fn decision_log_bytes(spec: &kinference_api::DecisionLogSpec) -> Option<u64> {
-    if spec.sample.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
+    if !decision_log_errors(spec).is_empty() {
         return None;
     }
-    let bytes = match spec.max_size.as_deref() {
-        Some(text) => quantity_bytes(text)?,
-        None => DEFAULT_DECISION_LOG_BYTES,
-    };
-    DECISION_LOG_SIZES.contains(&bytes).then_some(bytes)
+    Some(
+        spec.max_size
+            .as_deref()
+            .and_then(quantity_bytes)
+            .unwrap_or(DEFAULT_DECISION_LOG_BYTES),
+    )
+}
+
+/// What is wrong with `spec`, as `path: message`: its size must be within
+/// [`DECISION_LOG_SIZES`], its sample from 0 to 1.
+pub fn decision_log_errors(spec: &kinference_api::DecisionLogSpec) -> Vec<String> {
+    let mut errors = Vec::new();
+    if let Some(max) = &spec.max_size
+        && !quantity_bytes(max).is_some_and(|b| DECISION_LOG_SIZES.contains(&b))
+    {
+        errors.push(format!(
+            "spec.endpointPicker.decisionLog.maxSize: {max:?} is not a size from 1Mi to 10Gi"
+        ));
+    }
+    if let Some(sample) = spec.sample
+        && !(0.0..=1.0).contains(&sample)
+    {
+        errors.push(format!(
+            "spec.endpointPicker.decisionLog.sample: {sample} is not from 0 to 1"
+        ));
+    }
+    errors
 }
 
 /// The bytes a Kubernetes quantity of bytes says (`64Mi`, `1Gi`, `500M`,

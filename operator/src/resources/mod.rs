@@ -34,9 +34,9 @@ use kube::{Resource, ResourceExt};
 pub use backend_tls_policy::backend_tls_policy;
 pub use config_map::{check_config_map_size, config_map, epp_status_config_map};
 pub use deployment::{
-    CLIENT_CA_DIR, CLIENT_CA_FILE, DECISION_LOG_DIR, DECISION_LOG_SIZES, EPP_GRPC_PORT,
-    EPP_HEALTH_PORT, EPP_METRICS_PORT, PROVIDER_SECRETS_DIR, SCRAPE_INTERVALS, TOKENIZER_DIR,
-    decision_log_bytes, deployment, epp_selector, quantity_bytes, scrape_interval_ms,
+    CLIENT_CA_DIR, CLIENT_CA_FILE, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
+    PROVIDER_SECRETS_DIR, SCRAPE_INTERVALS, TOKENIZER_DIR, decision_log_errors, deployment,
+    epp_selector, scrape_interval_ms,
 };
 
 /// The EPP's own ports, which no other setting may take.
