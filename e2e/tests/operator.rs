@@ -252,6 +252,15 @@ async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Result<Option<T>>
     }
 }
 
+/// Fails naming each of `wanted` missing from a container's `args`.
+fn assert_has_args(args: &[String], wanted: &[&str]) {
+    let missing: Vec<&&str> = wanted
+        .iter()
+        .filter(|w| !args.iter().any(|a| a == *w))
+        .collect();
+    assert!(missing.is_empty(), "{missing:?} not in {args:?}");
+}
+
 /// Waits until `type_` has `status` for the policy's current generation.
 async fn wait_condition(
     api: &Api<InferencePolicy>,
@@ -609,14 +618,15 @@ async fn failure_mode_and_replicas_reach_their_objects_and_a_policy_without_a_po
         Some("system-cluster-critical")
     );
     let args = pod.containers[0].args.clone().unwrap_or_default();
-    for arg in [
-        "--scrape-interval-ms=250",
-        "--decision-log=/var/log/kinference/decisions.jsonl",
-        "--decision-log-max-bytes=33554432",
-        "--decision-log-sample=0.5",
-    ] {
-        assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
-    }
+    assert_has_args(
+        &args,
+        &[
+            "--scrape-interval-ms=250",
+            "--decision-log=/var/log/kinference/decisions.jsonl",
+            "--decision-log-max-bytes=33554432",
+            "--decision-log-sample=0.5",
+        ],
+    );
     // The decision log's volume, as the API server stored its limit.
     let volume = pod
         .volumes
@@ -795,9 +805,7 @@ async fn a_policy_attached_to_an_existing_pool_gets_its_epp_and_leaves_the_pool_
         .args
         .clone()
         .unwrap_or_default();
-    for arg in ["--pool-name=shared", "--pool-namespace=team-a"] {
-        assert!(args.contains(&arg.to_string()), "{arg} not in {args:?}");
-    }
+    assert_has_args(&args, &["--pool-name=shared", "--pool-namespace=team-a"]);
     assert!(
         Api::<ConfigMap>::namespaced(client.clone(), NS)
             .get("chat-policy")
@@ -1906,14 +1914,15 @@ async fn precise_prefix_settings_reach_the_epp_and_bad_ones_are_conditions() -> 
     let (image, pod) = pod;
     assert_eq!(image.reference.as_deref(), Some("reg.example/tok/qwen3:1"));
     let args = pod.containers[0].args.clone().unwrap_or_default();
-    for flag in [
-        "--kv-events-port=5557",
-        "--kv-events-tokenizer=/var/run/kinference/tokenizer",
-        "--kv-events-replay-port=5558",
-        "--kv-events-data-parallel-size=2",
-    ] {
-        assert!(args.contains(&flag.to_string()), "{flag}: {args:?}");
-    }
+    assert_has_args(
+        &args,
+        &[
+            "--kv-events-port=5557",
+            "--kv-events-tokenizer=/var/run/kinference/tokenizer",
+            "--kv-events-replay-port=5558",
+            "--kv-events-data-parallel-size=2",
+        ],
+    );
     let services: Api<Service> = Api::namespaced(client.clone(), NS);
     let ports = services.get("chat-epp").await?.spec.and_then(|s| s.ports);
     let events: Vec<(Option<&str>, i32)> = ports
