@@ -3,6 +3,7 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use kinference_policy::CompiledPolicy;
+use kinference_policy::duration::format_seconds;
 use kinference_policy::eval::{
     Candidate, Decision, Request, Trace, evaluate_with, parse_candidates,
 };
@@ -171,13 +172,21 @@ impl Explanation<'_> {
                 }
                 s
             }
-            Decision::Reject(r) => match r.rule {
-                Some(i) => format!(
-                    "reject {} {:?} by rule {}",
-                    r.status, r.message, self.policy.rules[i].name
-                ),
-                None => format!("reject {} {:?}", r.status, r.message),
-            },
+            Decision::Reject(r) => {
+                let wait = r.wait.map_or(String::new(), |w| {
+                    format!(
+                        "wait up to {} for room, then ",
+                        format_seconds(w.as_secs_f64())
+                    )
+                });
+                match r.rule {
+                    Some(i) => format!(
+                        "{wait}reject {} {:?} by rule {}",
+                        r.status, r.message, self.policy.rules[i].name
+                    ),
+                    None => format!("{wait}reject {} {:?}", r.status, r.message),
+                }
+            }
         }
     }
 
@@ -191,10 +200,11 @@ impl Explanation<'_> {
                 "ranked": r.ranked.iter().map(|&i| self.candidates[i].label()).collect::<Vec<_>>(),
             }),
             Decision::Reject(r) => serde_json::json!({
-                "action": "reject",
+                "action": if r.wait.is_some() { "wait" } else { "reject" },
                 "rule": r.rule.map(|i| self.policy.rules[i].name.clone()),
                 "status": r.status,
                 "message": r.message,
+                "maxWaitSeconds": r.wait.map(|w| w.as_secs_f64()),
             }),
         };
         serde_json::json!({ "tags": self.tags, "trace": self.trace, "decision": decision })

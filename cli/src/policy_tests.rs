@@ -10,6 +10,7 @@ use std::path::Path;
 use anyhow::{Context, anyhow, bail};
 use kinference_policy::CompiledPolicy;
 use kinference_policy::attr::CandidateType;
+use kinference_policy::duration::parse_duration;
 use kinference_policy::eval::{Candidate, Decision, Request, parse_candidates};
 use kinference_policy::source::{compile_text, parse_documents};
 use serde::Deserialize;
@@ -63,6 +64,9 @@ struct Expect {
     model: Option<String>,
     /// The request is rejected with this status.
     reject: Option<u16>,
+    /// No candidate has room and the rule says wait (`onEmpty: Wait`): the
+    /// request waits at most this long (`10s`), then gets `reject`.
+    wait: Option<String>,
     /// Rules that matched but had no survivor, in order.
     fell_through: Option<Vec<String>>,
 }
@@ -129,13 +133,19 @@ fn check(expect: &Expect, e: &Explanation<'_>) -> Vec<String> {
         }
     };
     let rules = &e.policy.rules;
-    let (rule, winner, status) = match &e.decision {
+    let (rule, winner, status, wait) = match &e.decision {
         Decision::Route(r) => (
             Some(rules[r.rule].name.clone()),
             Some(&e.candidates[r.winner]),
             None,
+            None,
         ),
-        Decision::Reject(r) => (r.rule.map(|i| rules[i].name.clone()), None, Some(r.status)),
+        Decision::Reject(r) => (
+            r.rule.map(|i| rules[i].name.clone()),
+            None,
+            Some(r.status),
+            r.wait,
+        ),
     };
     compare("rule", expect.rule.clone(), rule);
     compare(
@@ -158,6 +168,12 @@ fn check(expect: &Expect, e: &Explanation<'_>) -> Vec<String> {
         expect.reject.map(|s| s.to_string()),
         status.map(|s| s.to_string()),
     );
+    // Compared as durations: `10s` and `10000ms` are the same wait.
+    let want_wait = expect.wait.as_deref().map(|w| match parse_duration(w) {
+        Ok(d) => format!("{d:?}"),
+        Err(err) => format!("{w} ({err})"),
+    });
+    compare("wait", want_wait, wait.map(|d| format!("{d:?}")));
     let fell: Vec<String> = e
         .trace
         .rules

@@ -36,6 +36,8 @@ pub enum RequestAttr {
     Lora,
     TtftSlo,
     Tag,
+    Objective,
+    Priority,
 }
 
 pub const REQUEST_ATTRIBUTES: &[&str] = &[
@@ -50,6 +52,8 @@ pub const REQUEST_ATTRIBUTES: &[&str] = &[
     "lora",
     "ttftSLO",
     "tag",
+    "objective",
+    "priority",
 ];
 
 impl RequestAttr {
@@ -68,13 +72,17 @@ impl RequestAttr {
             "lora" => RequestAttr::Lora,
             "ttftSLO" => RequestAttr::TtftSlo,
             "tag" => RequestAttr::Tag,
+            "objective" => RequestAttr::Objective,
+            "priority" => RequestAttr::Priority,
             _ => return None,
         })
     }
 
     pub fn ty(&self) -> AttrType {
         match self {
-            RequestAttr::PromptTokens | RequestAttr::MaxTokens => AttrType::Numeric,
+            RequestAttr::PromptTokens | RequestAttr::MaxTokens | RequestAttr::Priority => {
+                AttrType::Numeric
+            }
             RequestAttr::TtftSlo => AttrType::Duration,
             RequestAttr::Tag => AttrType::Set,
             _ => AttrType::String,
@@ -96,6 +104,8 @@ impl fmt::Display for RequestAttr {
             RequestAttr::Lora => f.write_str("lora"),
             RequestAttr::TtftSlo => f.write_str("ttftSLO"),
             RequestAttr::Tag => f.write_str("tag"),
+            RequestAttr::Objective => f.write_str("objective"),
+            RequestAttr::Priority => f.write_str("priority"),
         }
     }
 }
@@ -140,6 +150,7 @@ pub enum Metric {
     ContextWindow,
     LoraLoaded,
     LoraSlotsFree,
+    InFlight,
 }
 
 impl Metric {
@@ -164,10 +175,11 @@ pub const OBJECTIVES: &[&str] = &[
     "Cost",
     "ErrorRate",
     "loraLoaded",
+    "InFlight",
 ];
 
 impl Metric {
-    pub const ALL: [Metric; 11] = [
+    pub const ALL: [Metric; 12] = [
         Metric::QueueDepth,
         Metric::RunningRequests,
         Metric::KvCacheUtilization,
@@ -179,6 +191,7 @@ impl Metric {
         Metric::ContextWindow,
         Metric::LoraLoaded,
         Metric::LoraSlotsFree,
+        Metric::InFlight,
     ];
 
     pub fn name(self) -> &'static str {
@@ -194,6 +207,7 @@ impl Metric {
             Metric::ContextWindow => "contextWindow",
             Metric::LoraLoaded => "loraLoaded",
             Metric::LoraSlotsFree => "loraSlotsFree",
+            Metric::InFlight => "InFlight",
         }
     }
 
@@ -227,7 +241,8 @@ impl Metric {
             | Metric::ObservedTtft
             | Metric::ErrorRate
             | Metric::Cost
-            | Metric::ContextWindow => true,
+            | Metric::ContextWindow
+            | Metric::InFlight => true,
         }
     }
 }
@@ -266,6 +281,7 @@ pub const CANDIDATE_ATTRIBUTES: &[&str] = &[
     "contextWindow",
     "loraLoaded",
     "loraSlotsFree",
+    "InFlight",
 ];
 
 impl CandidateAttr {

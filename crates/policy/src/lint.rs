@@ -39,6 +39,7 @@ pub fn warnings(policy: &CompiledPolicy) -> Vec<Warning> {
             .get(i)
             .is_some_and(|r| r.route.reject.is_some());
         excludes_everything(rule, explicit_reject, &path, &mut out);
+        waits_without_load_limit(rule, &path, &mut out);
         if explicit_reject && always_empty(rule) {
             // Its select never runs: nothing else to say about it.
             continue;
@@ -60,7 +61,55 @@ pub fn warnings(policy: &CompiledPolicy) -> Vec<Warning> {
     }
     unused_classifiers(policy, &mut out);
     deprecated_spellings(policy, &mut out);
+    flow_control_unused(policy, &mut out);
     out
+}
+
+/// `onEmpty: Wait` waits for a candidate to survive exclude; with nothing
+/// excluded for load, only a pool with no ready Pod ever waits.
+fn waits_without_load_limit(rule: &Rule, path: &str, out: &mut Vec<Warning>) {
+    if !matches!(rule.route.on_empty, OnEmpty::Wait(_)) {
+        return;
+    }
+    let load = |p: &Predicate<CandidateAttr>| {
+        matches!(
+            p.attr,
+            CandidateAttr::Metric(
+                Metric::InFlight
+                    | Metric::QueueDepth
+                    | Metric::RunningRequests
+                    | Metric::KvCacheUtilization
+                    | Metric::PredictedTtft
+            )
+        )
+    };
+    let limits_load = rule
+        .route
+        .exclude
+        .iter()
+        .any(|e| e.drop.iter().flatten().any(load));
+    if !limits_load {
+        out.push(Warning {
+            path: format!("{path}.route.onEmpty"),
+            message: "the rule waits for room but excludes no candidate for its load, so a request waits only when no Pod is ready".into(),
+            fix: "say when a Pod is full, e.g. exclude: [{ drop: { InFlight: { greaterThanOrEqual: 8 } } }]".into(),
+        });
+    }
+}
+
+/// Bounds on waiting requests that no rule lets wait.
+fn flow_control_unused(policy: &CompiledPolicy, out: &mut Vec<Warning>) {
+    let waits = policy
+        .rules
+        .iter()
+        .any(|r| matches!(r.route.on_empty, OnEmpty::Wait(_)));
+    if policy.source.flow_control.is_some() && !waits {
+        out.push(Warning {
+            path: "flowControl".into(),
+            message: "no rule has onEmpty: Wait, so no request ever waits and these bounds apply to nothing".into(),
+            fix: "add onEmpty: Wait to the rules whose requests may wait, or remove flowControl".into(),
+        });
+    }
 }
 
 /// Fields renamed for the Kubernetes API conventions, read under their old

@@ -17,6 +17,8 @@ pub struct CompiledPolicy {
     pub tenant_header: String,
     /// Sessions kept on their Pod, when the policy asks.
     pub session_affinity: Option<SessionAffinity>,
+    /// Bounds on the requests waiting for room (rules with `onEmpty: Wait`).
+    pub flow_control: FlowControl,
     /// The pool the policy declares; `None` for a rules-only policy, whose
     /// pool is the InferencePool it is attached to.
     pub pool: Option<Pool>,
@@ -321,6 +323,15 @@ pub enum TieBreak {
 pub enum OnEmpty {
     Reject,
     FallThrough,
+    /// Wait in the EPP at most this long for a candidate, then reject.
+    Wait(Duration),
+}
+
+/// How much may wait in the EPP at once, all priorities together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowControl {
+    pub max_requests: usize,
+    pub max_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -29,6 +29,10 @@ pub struct PolicySpec {
     /// exclude).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_affinity: Option<SessionAffinitySpec>,
+    /// Bounds on the requests that wait in the EPP for room (rules with
+    /// `onEmpty: Wait`), all priorities together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_control: Option<FlowControlSpec>,
     /// Off-cluster inference providers (OpenAI-compatible APIs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -81,6 +85,21 @@ pub struct SessionAffinitySpec {
     /// `10m`, at most `24h`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl: Option<String>,
+}
+
+/// How much may wait in the EPP at once. When either bound is reached, the
+/// lowest priority waiting (or arriving) is answered 429 first.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlowControlSpec {
+    /// Requests waiting at once (default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_requests: Option<u32>,
+    /// Request body bytes waiting at once (default 64 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -235,10 +254,15 @@ pub struct RouteClause {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("enum" = ["PreferLocal", "Random"]))]
     pub tie_break: Option<String>,
-    /// `Reject` (default) or `FallThrough`.
+    /// `Reject` (default), `FallThrough`, or `Wait`: the request waits in
+    /// the EPP, by priority, until a candidate survives the rule again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("enum" = ["Reject", "FallThrough"]))]
+    #[schemars(extend("enum" = ["Reject", "FallThrough", "Wait"]))]
     pub on_empty: Option<String>,
+    /// With `onEmpty: Wait`: how long a request may wait before the rule's
+    /// reject answers it (default `10s`, at most `10m`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reject: Option<RejectSpec>,
 }

@@ -87,7 +87,7 @@ fn the_known_fields_are_exactly_what_a_full_candidate_writes() {
         "QueueDepth": 1, "RunningRequests": 1, "KVCacheUtilization": 0.5,
         "CachedPrefixTokens": 10, "PredictedTTFT": "1ms", "ObservedTTFT": "1ms",
         "ErrorRate": 0.1, "Cost": 0.1, "contextWindow": 8192, "loraLoaded": 1,
-        "loraSlotsFree": 2, "cachedPrefixSource": "events"
+        "loraSlotsFree": 2, "InFlight": 3, "cachedPrefixSource": "events"
     }]))
     .unwrap();
     let written = serde_json::to_value(&full[0]).unwrap();

@@ -280,3 +280,38 @@ fn the_old_spelling_base_url_still_works_with_a_warning() {
     let errors = format!("{:?}", compile_text(&neither).expect_err("no URL"));
     assert!(errors.contains("providers[0].baseURL"), "{errors}");
 }
+
+#[test]
+fn a_rule_that_waits_without_excluding_full_pods_waits_only_for_ready_ones() {
+    let waits = |exclude: &str| {
+        format!(
+            "  - name: waits
+    matches: [{{ priority: {{ greaterThanOrEqual: 0 }} }}]
+    route:
+      {exclude}
+      select: [{{ minimize: PredictedTTFT }}]
+      onEmpty: Wait
+{USES_PII}"
+        )
+    };
+    assert_eq!(
+        lines(&lint(&waits(""))),
+        [
+            "rules[0].route.onEmpty: the rule waits for room but excludes no candidate for its load, so a request waits only when no Pod is ready (fix: say when a Pod is full, e.g. exclude: [{ drop: { InFlight: { greaterThanOrEqual: 8 } } }])"
+        ]
+    );
+    let fixed = waits("exclude: [{ drop: { InFlight: { greaterThanOrEqual: 8 } } }]");
+    assert_eq!(lines(&lint(&fixed)), Vec::<String>::new());
+}
+
+#[test]
+fn flow_control_bounds_without_a_rule_that_waits_apply_to_nothing() {
+    let text = format!("flowControl: {{ maxRequests: 10 }}\n{HEAD}{USES_PII}{LAST}");
+    let policy = compile_text(&text).unwrap();
+    assert_eq!(
+        lines(&warnings(&policy)),
+        [
+            "flowControl: no rule has onEmpty: Wait, so no request ever waits and these bounds apply to nothing (fix: add onEmpty: Wait to the rules whose requests may wait, or remove flowControl)"
+        ]
+    );
+}

@@ -121,7 +121,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
     (
         any::<bool>(),
         proptest::sample::select(&["m", "n", "qwen-2.5"][..]),
-        proptest::collection::vec(metric(), 11),
+        proptest::collection::vec(metric(), 12),
         proptest::option::of(proptest::sample::select(&["p", "gold", "vllm"][..])),
     )
         .prop_map(|(local, model, m, name)| Candidate {
@@ -146,6 +146,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 context_window: m[8],
                 lora_loaded: m[9],
                 lora_slots_free: m[10],
+                in_flight: m[11],
             },
             ..Candidate::default()
         })

@@ -2,6 +2,7 @@
 //! error with its path; returns a compiled policy only when there are none.
 
 mod errors;
+mod flow;
 mod predicate;
 mod route;
 mod session;
@@ -14,6 +15,7 @@ use sha2::{Digest, Sha256};
 use errors::Errors;
 pub(crate) use errors::join as errors_join;
 pub use errors::{CompileError, CompileErrors};
+pub use flow::{DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, MAX_MAX_WAIT};
 use predicate::{PredicateCompiler, TagIndex};
 pub use session::{DEFAULT_SESSION_TTL, MAX_SESSION_TTL};
 
@@ -57,6 +59,7 @@ pub fn compile(spec: &PolicySpec) -> Result<CompiledPolicy, CompileErrors> {
         .session_affinity
         .as_ref()
         .and_then(|s| session::compile_session_affinity(&mut errors, s));
+    let flow_control = flow::compile_flow_control(&mut errors, spec.flow_control.as_ref());
     if !errors.0.is_empty() {
         return Err(CompileErrors(errors.0));
     }
@@ -64,6 +67,7 @@ pub fn compile(spec: &PolicySpec) -> Result<CompiledPolicy, CompileErrors> {
         hash: policy_hash(spec),
         tenant_header,
         session_affinity,
+        flow_control,
         pool,
         route: spec.route.clone().unwrap_or_default(),
         providers,

@@ -91,14 +91,22 @@ pub(super) fn compile_route(
     let on_empty = match route.on_empty.as_deref() {
         None | Some("Reject") => OnEmpty::Reject,
         Some("FallThrough") => OnEmpty::FallThrough,
+        Some("Wait") => super::flow::compile_max_wait(errors, path, route.max_wait.as_deref())
+            .map_or(OnEmpty::Reject, OnEmpty::Wait),
         Some(other) => {
             errors.add(
                 format!("{path}.onEmpty"),
-                format!("unknown onEmpty {other:?} (Reject or FallThrough)"),
+                format!("unknown onEmpty {other:?} (Reject, FallThrough or Wait)"),
             );
             OnEmpty::Reject
         }
     };
+    if route.max_wait.is_some() && route.on_empty.as_deref() != Some("Wait") {
+        errors.add(
+            format!("{path}.maxWait"),
+            "maxWait applies only when onEmpty is Wait",
+        );
+    }
     let reject = compile_reject(errors, path, route, rule_name, on_empty);
     (errors.0.len() == before).then_some(Route {
         consider,
@@ -121,7 +129,7 @@ fn compile_reject(
     if route.reject.is_some() && on_empty == OnEmpty::FallThrough {
         errors.add(
             format!("{path}.reject"),
-            "reject applies only when onEmpty is Reject; this rule falls through",
+            "reject applies only when onEmpty is Reject or Wait; this rule falls through",
         );
     }
     let status = spec.status.unwrap_or(503);

@@ -44,6 +44,18 @@ pub struct Request {
     /// is among the matching rule's candidates after exclude.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_address: Option<String>,
+    /// The InferenceObjective the request names
+    /// (`x-gateway-inference-objective`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
+    /// Its objective's priority; 0 without one, as the reference EPP does.
+    /// Higher waits less and is shed last.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority: i32,
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
 }
 
 /// The value of an attribute, borrowed from the request or candidate.
@@ -82,6 +94,7 @@ impl Request {
         clamp(&mut self.path);
         self.tenant.as_mut().map(clamp);
         self.lora.as_mut().map(clamp);
+        self.objective.as_mut().map(clamp);
         self.headers.values_mut().for_each(clamp);
         self
     }
@@ -102,6 +115,8 @@ impl Request {
             RequestAttr::Lora => text(&self.lora),
             RequestAttr::TtftSlo => self.ttft_slo.map(Val::Number),
             RequestAttr::Tag => Some(Val::Set(&tags.tags)),
+            RequestAttr::Objective => text(&self.objective),
+            RequestAttr::Priority => Some(Val::Number(f64::from(self.priority))),
         }
     }
 }
@@ -252,6 +267,10 @@ pub struct Metrics {
         skip_serializing_if = "Option::is_none"
     )]
     pub lora_slots_free: Option<f64>,
+    /// Requests this EPP has sent to the candidate that have not finished:
+    /// counted at every dispatch and completion, not at a scrape.
+    #[serde(rename = "InFlight", default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<f64>,
 }
 
 impl Metrics {
@@ -268,6 +287,7 @@ impl Metrics {
             Metric::ContextWindow => self.context_window,
             Metric::LoraLoaded => self.lora_loaded,
             Metric::LoraSlotsFree => self.lora_slots_free,
+            Metric::InFlight => self.in_flight,
         }
         .filter(|v| !v.is_nan())
     }
@@ -371,6 +391,7 @@ pub const CANDIDATE_FIELDS: &[&str] = &[
     "contextWindow",
     "loraLoaded",
     "loraSlotsFree",
+    "InFlight",
     "cachedPrefixSource",
 ];
 

@@ -9,6 +9,8 @@ mod redact;
 mod select;
 mod trace;
 
+use std::time::Duration;
+
 use rand::Rng;
 
 pub use detail::decision_detail;
@@ -59,6 +61,9 @@ pub struct Rejected {
     pub rule: Option<usize>,
     pub status: u16,
     pub message: String,
+    /// `onEmpty: Wait`: the request may wait this long for a candidate
+    /// (evaluated again as load changes) before this reject answers it.
+    pub wait: Option<Duration>,
 }
 
 pub const NO_RULE_MATCHED: &str = "no rule matched the request";
@@ -88,10 +93,15 @@ pub fn evaluate<R: Rng + ?Sized, T: Tracer>(
                 tracer.fell_through(index);
             }
             Ok(None) => {
+                let wait = match rule.route.on_empty {
+                    OnEmpty::Wait(max) => Some(max),
+                    OnEmpty::Reject | OnEmpty::FallThrough => None,
+                };
                 return Evaluation::Decided(Decision::Reject(Rejected {
                     rule: Some(index),
                     status: rule.route.reject.status,
                     message: rule.route.reject.message.clone(),
+                    wait,
                 }));
             }
         }
@@ -100,6 +110,7 @@ pub fn evaluate<R: Rng + ?Sized, T: Tracer>(
         rule: None,
         status: 503,
         message: NO_RULE_MATCHED.to_string(),
+        wait: None,
     }))
 }
 
