@@ -48,6 +48,10 @@ operator can only grant an EPP's Role what it holds itself.
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [list, watch, create, patch]
+# Granted on to each EPP, which reads its requests' priorities.
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives]
+  verbs: [list, watch]
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes, backendtlspolicies]
   verbs: [list, watch, create, patch, delete]

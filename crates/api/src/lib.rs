@@ -7,6 +7,7 @@
 mod admission;
 mod crd;
 mod epp_status;
+mod inference_objective;
 mod inference_pool;
 mod labels;
 
@@ -21,6 +22,7 @@ pub use crd::{
     PolicyTargetReference, PrecisePrefixSpec, PublisherMode, TokenizerSource, crd, crd_yaml,
 };
 pub use epp_status::{EppPodStatus, SecretKeyStatus, epp_field_manager};
+pub use inference_objective::{InferenceObjective, InferenceObjectiveSpec, ObjectivePoolRef};
 pub use inference_pool::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, PoolSelector, PortNumber,
 };

@@ -11,6 +11,9 @@ use kinference_api::{INFERENCE_POOL_GROUP, InferencePolicy};
 use super::deployment::epp_object_labels;
 use super::{Names, object_meta};
 
+/// The Inference Extension's experimental group, where InferenceObjective is.
+const OBJECTIVE_GROUP: &str = "inference.networking.x-k8s.io";
+
 pub fn role(policy: &InferencePolicy, names: &Names) -> Role {
     let rule = |resources: &str, verbs: &[&str], resource_names: Option<Vec<String>>| PolicyRule {
         api_groups: Some(vec![String::new()]),
@@ -47,6 +50,14 @@ pub fn role(policy: &InferencePolicy, names: &Names) -> Role {
             ..PolicyRule::default()
         });
     }
+    // Requests name an InferenceObjective for their priority; the EPP
+    // follows those of its pool's namespace.
+    rules.push(PolicyRule {
+        api_groups: Some(vec![OBJECTIVE_GROUP.into()]),
+        resources: Some(vec!["inferenceobjectives".into()]),
+        verbs: vec!["list".into(), "watch".into()],
+        ..PolicyRule::default()
+    });
     // No Secrets: provider keys are projected into the Pod as files (see
     // deployment.rs), which needs no RBAC.
     Role {
