@@ -330,3 +330,77 @@ async fn an_existing_inference_pool_is_served_and_followed() -> anyhow::Result<(
     discovery.abort();
     Ok(())
 }
+
+/// The pool's InferenceObjectives give requests their priority: followed
+/// as they change, only those naming this pool, and an EPP started before
+/// the CRD was installed picks them up once it is.
+#[tokio::test]
+async fn inference_objectives_of_the_pool_give_priorities_once_their_crd_exists()
+-> anyhow::Result<()> {
+    use kinference_api::InferenceObjective;
+    use kinference_epp::objectives::{Objectives, watch_objectives};
+    use kube::api::PostParams;
+
+    const NS: &str = "epp-objectives";
+    let cluster = TestCluster::start_without_crds().await?;
+    let client = cluster.client();
+    create_namespace(&client, NS).await?;
+    let objectives = Arc::new(Objectives::default());
+    let watch = tokio::spawn(watch_objectives(
+        objectives.clone(),
+        client.clone(),
+        NS.into(),
+        "vllm".into(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(objectives.priority(Some("chat")), 0, "no CRD: priority 0");
+
+    cluster
+        .install_crds_from_dir(&kinference_e2e::cluster::fixture_crds_dir())
+        .await?;
+    let api: Api<InferenceObjective> = Api::namespaced(client.clone(), NS);
+    let objective = |name: &str, pool: &str, priority: i32| -> InferenceObjective {
+        serde_json::from_value(json!({
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": { "name": name },
+            "spec": { "priority": priority, "poolRef": { "name": pool } },
+        }))
+        .unwrap()
+    };
+    api.create(&PostParams::default(), &objective("chat", "vllm", 7))
+        .await?;
+    api.create(&PostParams::default(), &objective("elsewhere", "other", 9))
+        .await?;
+    wait_for("chat's priority", || objectives.priority(Some("chat")) == 7).await;
+    assert_eq!(objectives.priority(Some("elsewhere")), 0, "another pool's");
+
+    let patch = |spec: serde_json::Value| Patch::Merge(json!({ "spec": spec }));
+    api.patch(
+        "chat",
+        &PatchParams::default(),
+        &patch(json!({"priority": 3})),
+    )
+    .await?;
+    wait_for("the changed priority", || {
+        objectives.priority(Some("chat")) == 3
+    })
+    .await;
+    api.patch(
+        "elsewhere",
+        &PatchParams::default(),
+        &patch(json!({"poolRef": {"name": "vllm"}})),
+    )
+    .await?;
+    wait_for("an objective moved to this pool", || {
+        objectives.priority(Some("elsewhere")) == 9
+    })
+    .await;
+    api.delete("chat", &DeleteParams::default()).await?;
+    wait_for("the deleted objective's priority", || {
+        objectives.priority(Some("chat")) == 0
+    })
+    .await;
+    watch.abort();
+    Ok(())
+}

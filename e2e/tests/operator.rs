@@ -1048,7 +1048,9 @@ async fn policy_lifecycle() -> Result<()> {
             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["chat-policy"],
              "verbs": ["get", "list", "watch"]},
             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["chat-epp-status"],
-             "verbs": ["patch"]}
+             "verbs": ["patch"]},
+            {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
+             "verbs": ["list", "watch"]}
         ])
     );
     let status_cm = Api::<ConfigMap>::namespaced(client.clone(), NS)

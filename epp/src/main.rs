@@ -15,7 +15,7 @@ use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::policy_store::DEFAULT_POLICY;
 use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, events_ports};
-use kinference_epp::{policy_file, provider_keys};
+use kinference_epp::{objectives, policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
 
 #[tokio::main]
@@ -118,6 +118,19 @@ async fn main() -> anyhow::Result<()> {
             let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
             tasks.spawn("discovery", move || {
                 k8s::run_discovery(epp.clone(), client.clone(), ns.clone())
+            });
+        }
+        if let Some(pool) = args.metrics_pool_name.clone().or(args.pool_name.clone()) {
+            let objectives = epp.picker.objectives.clone();
+            let pool_ns = args.pool_namespace.clone().unwrap_or(ns.clone());
+            let client = client.clone();
+            tasks.spawn("objectives", move || {
+                objectives::watch_objectives(
+                    objectives.clone(),
+                    client.clone(),
+                    pool_ns.clone(),
+                    pool.clone(),
+                )
             });
         }
         if args.provider_secrets_dir.is_none() {

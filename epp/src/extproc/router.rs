@@ -21,6 +21,8 @@ pub struct Incoming<'a> {
     pub path: &'a str,
     pub api: Api,
     pub body: &'a ParsedBody,
+    /// The request body's size in bytes, as it arrived.
+    pub body_bytes: usize,
     /// Restricts local endpoints to these `ip:port` (or bare IPs); `None`: all.
     pub subset: Option<&'a [String]>,
 }

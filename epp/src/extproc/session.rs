@@ -321,16 +321,23 @@ impl<R: Router> Session<R> {
                     .await;
             }
         };
-        let (route, ticket) = self
-            .router
-            .route(&Incoming {
-                headers: &self.headers,
-                path: &self.path,
-                api,
-                body: &parsed,
-                subset: self.subset.as_deref(),
-            })
-            .await;
+        let incoming = Incoming {
+            headers: &self.headers,
+            path: &self.path,
+            api,
+            body: &parsed,
+            body_bytes: self.body.len(),
+            subset: self.subset.as_deref(),
+        };
+        // A request may wait for room (`onEmpty: Wait`); if the gateway
+        // gives up on the stream meanwhile, so does the wait.
+        let (route, ticket) = tokio::select! {
+            routed = self.router.route(&incoming) => routed,
+            () = self.tx.closed() => {
+                tracing::debug!("the gateway closed the stream before its decision");
+                return false;
+            }
+        };
         record_route(&route);
         let detail = match &route {
             Route::Local(l) => l.detail.clone(),

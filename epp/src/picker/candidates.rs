@@ -209,6 +209,7 @@ impl CandidateSet {
                         context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
                         lora_loaded: lora.map(|l| f64::from(u8::from(l.loaded))),
                         lora_slots_free: lora.and_then(|l| l.slots_free),
+                        in_flight: Some(live.running as f64),
                     },
                     cached_prefix_source: Some(source),
                 });
@@ -233,6 +234,7 @@ impl CandidateSet {
                     provider_name: Some(provider.name.clone()),
                     metrics: CandidateMetrics {
                         running_requests: Some(live.running as f64),
+                        in_flight: Some(live.running as f64),
                         observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
                         error_rate: Some(live.error_rate),
                         cost: model.price.map(|p: Price| p.cost(prompt, 0.0, output)),
@@ -263,6 +265,7 @@ impl CandidateSet {
                 rule: r.rule.map(|i| compiled.rules[i].name.clone()),
                 status: r.status,
                 message: r.message.clone(),
+                wait: r.wait,
                 detail: None,
             },
             Decision::Route(routed) => {

@@ -24,17 +24,19 @@ pub use crate::extproc::router::Incoming;
 pub use candidates::{CandidateSet, PrefixPrediction};
 pub use decision_log::{DecisionLog, LogTarget};
 pub use providers::ProviderStates;
-pub use recent::{RecentDecisions, RecordedDecision};
+pub use recent::{RecentDecisions, RecordedDecision, WaitOutcome, Waited};
 
 use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
 use crate::extproc::body::{Api, estimate_tokens};
 use crate::extproc::router::Usage;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
+use crate::flow::{Bounds, FlowControl, Next, Place, Shed, Turn};
 use crate::kv_events::mismatch::Check;
 use crate::kv_events::precise::PreciseMode;
 use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
 use crate::metrics::{DecisionOutcome, Metrics};
+use crate::objectives::{FAIRNESS_HEADER, OBJECTIVE_HEADER, Objectives};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
 use crate::predict::reuse::SeedGate;
 use crate::predict::{
@@ -93,6 +95,38 @@ pub struct Picker {
     pub config: PickerConfig,
     /// API keys of providers, by provider name.
     pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
+    /// The pool's InferenceObjectives: each request's priority.
+    pub objectives: Arc<Objectives>,
+    /// Requests waiting for room (`onEmpty: Wait`).
+    pub flow: Arc<FlowControl>,
+}
+
+/// What a request's evaluations share while it waits for room: the
+/// prompt's block hashes and tokens, and the tags of the classifiers that
+/// ran, are the same at every turn.
+#[derive(Default)]
+struct Prepared {
+    hashes: Option<Vec<u64>>,
+    tokens: Option<Option<PromptTokens>>,
+    tags: Tags,
+    /// When the request started waiting for room, if it did.
+    waiting_since: Option<Instant>,
+    /// Set when the wait ended without room: the last evaluation is
+    /// recorded as the decision.
+    wait_ended: Option<WaitOutcome>,
+}
+
+/// Counts a decision in `/metrics`.
+fn observe(metrics: &Metrics, pick: &Pick, took: Duration) {
+    let (rule, outcome) = match pick {
+        Pick::Local(l) => (l.rule.as_str(), DecisionOutcome::Local),
+        Pick::Provider(p) => (p.rule.as_str(), DecisionOutcome::Provider),
+        Pick::Reject { rule, status, .. } => (
+            rule.as_deref().unwrap_or(""),
+            DecisionOutcome::Reject { status: *status },
+        ),
+    };
+    metrics.observe_decision(rule, outcome, took);
 }
 
 /// Where the request goes.
@@ -104,11 +138,21 @@ pub enum Pick {
         rule: Option<String>,
         status: u16,
         message: String,
+        /// `onEmpty: Wait`: the request may wait this long for room first.
+        wait: Option<Duration>,
         detail: Option<String>,
     },
 }
 
 impl Pick {
+    /// How long the request may wait for room, if it should.
+    fn waits(&self) -> Option<Duration> {
+        match self {
+            Pick::Reject { wait, .. } => *wait,
+            _ => None,
+        }
+    }
+
     fn set_detail(&mut self, value: String) {
         let detail = match self {
             Pick::Local(l) => &mut l.detail,
@@ -177,6 +221,7 @@ impl Picker {
         config: PickerConfig,
     ) -> Self {
         let seeds = SeedGate::default();
+        let flow = FlowControl::new(&metrics);
         metrics.register_counter(
             "replica_seeds",
             "Requests sent to a Pod without their prefix so that a group many recent requests shared gets another replica (each pays the prefill)",
@@ -197,6 +242,8 @@ impl Picker {
             precise: std::sync::OnceLock::new(),
             config,
             provider_keys: Default::default(),
+            objectives: Default::default(),
+            flow,
         }
     }
 
@@ -221,12 +268,19 @@ impl Picker {
     /// Decides one request. Never panics on odd input; an unusable request is
     /// a reject with a 4xx status.
     pub async fn pick(&self, incoming: &Incoming<'_>) -> Pick {
+        self.pick_prepared(incoming, &mut Prepared::default()).await
+    }
+
+    /// [`Self::pick`], reusing what earlier evaluations of the same request
+    /// computed (a waiting request is evaluated at each turn).
+    async fn pick_prepared(&self, incoming: &Incoming<'_>, prepared: &mut Prepared) -> Pick {
         let started = Instant::now();
         let Some(policy) = self.policy.current() else {
             return Pick::Reject {
                 rule: None,
                 status: 503,
                 message: "the endpoint picker has no policy loaded yet".into(),
+                wait: None,
                 detail: None,
             };
         };
@@ -253,33 +307,38 @@ impl Picker {
                 rule: None,
                 status: 400,
                 message: "the request names no model (body field `model`)".into(),
+                wait: None,
                 detail: None,
             };
         }
-        let mut hashes = Vec::new();
-        block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
-        let tokens = self.prompt_tokens(incoming).await;
-        let set = CandidateSet::build(
-            self,
-            &policy,
-            &request,
-            &hashes,
-            tokens.as_ref(),
-            incoming.subset,
-        );
+        if prepared.hashes.is_none() {
+            let mut hashes = Vec::new();
+            block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
+            prepared.hashes = Some(hashes);
+        }
+        if prepared.tokens.is_none() {
+            prepared.tokens = Some(self.prompt_tokens(incoming).await);
+        }
+        let hashes = prepared.hashes.as_deref().unwrap_or_default();
+        let tokens = prepared.tokens.as_ref().and_then(Option::as_ref);
+        let set = CandidateSet::build(self, &policy, &request, hashes, tokens, incoming.subset);
         let seed = rand::random::<u64>();
-        let (decision, tags) = self.evaluate(&policy, &request, &set, incoming, seed).await;
+        let decision = self
+            .evaluate(&policy, &request, &set, incoming, seed, &mut prepared.tags)
+            .await;
         let mut pick = set.to_pick(self, &policy, &request, &decision);
-        let (rule, outcome) = match &pick {
-            Pick::Local(l) => (l.rule.as_str(), DecisionOutcome::Local),
-            Pick::Provider(p) => (p.rule.as_str(), DecisionOutcome::Provider),
-            Pick::Reject { rule, status, .. } => (
-                rule.as_deref().unwrap_or(""),
-                DecisionOutcome::Reject { status: *status },
-            ),
-        };
-        self.metrics
-            .observe_decision(rule, outcome, started.elapsed());
+        let waits = pick.waits().is_some();
+        if waits && prepared.wait_ended.is_none() {
+            // Not a decision yet: recorded once the wait ends.
+            return pick;
+        }
+        let hashes = prepared.hashes.take().unwrap_or_default();
+        let tags = std::mem::take(&mut prepared.tags);
+        if !waits {
+            // A wait that ended without room is counted by its caller,
+            // with the status it answers.
+            observe(&self.metrics, &pick, started.elapsed());
+        }
         if let Pick::Local(local) = &mut pick {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
@@ -306,6 +365,7 @@ impl Picker {
                 )
             });
         }
+        let priority = request.priority;
         self.recent.push(RecordedDecision {
             at: std::time::SystemTime::now(),
             policy: policy.clone(),
@@ -313,10 +373,17 @@ impl Picker {
             tags,
             candidates: set.candidates,
             seed,
+            waited: prepared.waiting_since.map(|since| Waited {
+                priority,
+                took: since.elapsed(),
+                outcome: prepared.wait_ended.unwrap_or(WaitOutcome::Dispatched),
+            }),
         });
         pick
     }
 
+    /// Evaluates the policy, running the classifiers it reaches that have
+    /// not run yet; their tags are kept in `tags`.
     async fn evaluate(
         &self,
         policy: &LoadedPolicy,
@@ -324,20 +391,20 @@ impl Picker {
         set: &CandidateSet,
         incoming: &Incoming<'_>,
         seed: u64,
-    ) -> (Decision, Tags) {
-        let mut tags = Tags::default();
+        tags: &mut Tags,
+    ) -> Decision {
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut prompt: Option<Arc<str>> = None;
         loop {
             let needed = match evaluate(
                 &policy.compiled,
                 request,
-                &tags,
+                tags,
                 &set.candidates,
                 &mut rng,
                 &mut NoTrace,
             ) {
-                Evaluation::Decided(d) => return (d, tags),
+                Evaluation::Decided(d) => return d,
                 Evaluation::NeedTags(needed) => needed,
             };
             let text = prompt.get_or_insert_with(|| Arc::from(incoming.body.prompt.as_str()));
@@ -366,6 +433,7 @@ impl Picker {
             .clone()
             .or_else(|| header(MODEL_HEADER))
             .unwrap_or_default();
+        let objective = header(OBJECTIVE_HEADER).filter(|o| !o.is_empty());
         // Only headers the policy reads are kept: less copying, and no
         // credentials end up in /debug/explain.
         let headers = policy
@@ -391,6 +459,8 @@ impl Picker {
                 .and_then(|v| parse_duration(&v).ok())
                 .map(|d| d.as_secs_f64()),
             session_address: None,
+            priority: self.objectives.priority(objective.as_deref()),
+            objective,
         }
         .clamped()
     }
@@ -424,10 +494,23 @@ pub struct Ticket {
     /// provider, or once moved to a fallback's Pod.
     chain: Option<Arc<[u64]>>,
     decided_at: Instant,
+    /// Declared after `guard`, so dropped after it: the waiting requests
+    /// are asked once this one no longer counts in flight.
+    _room: RoomOnDrop,
+}
+
+/// Tells flow control that a request finished, when dropped.
+struct RoomOnDrop(Arc<FlowControl>);
+
+impl Drop for RoomOnDrop {
+    fn drop(&mut self) {
+        self.0.wake();
+    }
 }
 
 impl Ticket {
     fn new(
+        flow: &Arc<FlowControl>,
         state: Arc<DestinationState>,
         address: Option<String>,
         features: Option<TtftFeatures>,
@@ -437,6 +520,7 @@ impl Ticket {
     ) -> Self {
         let now = Instant::now();
         Ticket {
+            _room: RoomOnDrop(Arc::clone(flow)),
             guard: state.stats.begin(now),
             state,
             address,
@@ -532,16 +616,158 @@ impl Picker {
     }
 }
 
-impl Router for Picker {
-    type Ticket = Ticket;
+impl Picker {
+    /// Picks, waiting for room while the matching rule says so. The
+    /// request's turn is answered only once its ticket counts it in flight,
+    /// so the next in line is evaluated with it counted.
+    async fn pick_or_wait(&self, request: &Incoming<'_>) -> (Route, Option<Ticket>) {
+        let mut prepared = Prepared::default();
+        let mut pick = self.pick_prepared(request, &mut prepared).await;
+        let Some(max_wait) = pick.waits() else {
+            return self.dispatch(pick, request);
+        };
+        let place = self.place(request);
+        let policy = self.policy.current();
+        let bounds = policy.as_ref().map_or(
+            Bounds {
+                requests: 0,
+                bytes: 0,
+            },
+            |p| Bounds {
+                requests: p.compiled.flow_control.max_requests,
+                bytes: p.compiled.flow_control.max_bytes,
+            },
+        );
+        let mut waiting = match self.flow.enter(place, max_wait, bounds) {
+            Ok(w) => w,
+            Err(why) => return self.dispatch(shed(pick, why, Duration::ZERO), request),
+        };
+        prepared.waiting_since = Some(Instant::now());
+        let mut turn: Option<Turn> = None;
+        while pick.waits().is_some() {
+            if let Some(t) = turn.take() {
+                t.answer(false);
+            }
+            match waiting.next().await {
+                Next::Turn(t) => {
+                    turn = Some(t);
+                    pick = self.pick_prepared(request, &mut prepared).await;
+                }
+                Next::Shed(why) => {
+                    pick = shed(pick, why, waiting.waited());
+                    self.record_ended_wait(request, &mut prepared, WaitOutcome::Shed)
+                        .await;
+                    break;
+                }
+                Next::Expired => {
+                    pick = expired(pick, waiting.waited());
+                    self.record_ended_wait(request, &mut prepared, WaitOutcome::Expired)
+                        .await;
+                    break;
+                }
+            }
+        }
+        if matches!(pick, Pick::Reject { .. }) {
+            observe(&self.metrics, &pick, waiting.waited());
+        }
+        let waited = waiting.waited();
+        if !matches!(pick, Pick::Reject { .. }) {
+            waiting.dispatched();
+        }
+        let routed = self.dispatch(pick, request);
+        if let Some(t) = turn {
+            t.answer(true);
+        }
+        tracing::debug!(waited_ms = waited.as_millis() as u64, "waited for room");
+        routed
+    }
 
-    async fn route(&self, request: &Incoming<'_>) -> (Route, Option<Ticket>) {
-        match self.pick(request).await {
+    /// A wait that ended without room: its last evaluation, recorded as
+    /// the decision for `/debug/explain` and the decision log.
+    async fn record_ended_wait(
+        &self,
+        request: &Incoming<'_>,
+        prepared: &mut Prepared,
+        how: WaitOutcome,
+    ) {
+        prepared.wait_ended = Some(how);
+        let _ = self.pick_prepared(request, prepared).await;
+    }
+
+    /// Where a request waits: its objective's priority, its flow (the
+    /// fairness id, else its tenant), and its body's size.
+    fn place(&self, request: &Incoming<'_>) -> Place {
+        let header = |name: &str| request.headers.get(name).filter(|v| !v.is_empty());
+        let objective = header(OBJECTIVE_HEADER).map(String::as_str);
+        let tenant_header = self
+            .policy
+            .current()
+            .map(|p| p.compiled.tenant_header.clone());
+        let flow = header(FAIRNESS_HEADER)
+            .or_else(|| header(tenant_header.as_deref()?))
+            .map(|f| kinference_policy::eval::clamp_attribute(f).to_string())
+            .unwrap_or_default();
+        Place {
+            priority: self.objectives.priority(objective),
+            flow,
+            bytes: request.body_bytes as u64,
+        }
+    }
+}
+
+/// The wait ended before room came: the rule's own reject answers.
+fn expired(pick: Pick, waited: Duration) -> Pick {
+    match pick {
+        Pick::Reject {
+            rule,
+            status,
+            message,
+            detail,
+            ..
+        } => Pick::Reject {
+            rule,
+            status,
+            message: format!("{message} (waited {} ms for room)", waited.as_millis()),
+            wait: None,
+            detail,
+        },
+        other => other,
+    }
+}
+
+/// A higher priority took the request's place, or there was none for it.
+fn shed(pick: Pick, why: Shed, waited: Duration) -> Pick {
+    let rule = match pick {
+        Pick::Reject { rule, .. } => rule,
+        _ => None,
+    };
+    let bound = match why {
+        Shed::Requests => "flowControl.maxRequests",
+        Shed::Bytes => "flowControl.maxBytes",
+    };
+    Pick::Reject {
+        rule,
+        status: 429,
+        message: format!(
+            "no room, and the waiting requests reached {bound}: shed for higher priorities (after {} ms)",
+            waited.as_millis()
+        ),
+        wait: None,
+        detail: None,
+    }
+}
+
+impl Picker {
+    /// A pick as the session's route, with the ticket that counts it in
+    /// flight.
+    fn dispatch(&self, pick: Pick, request: &Incoming<'_>) -> (Route, Option<Ticket>) {
+        match pick {
             Pick::Reject {
                 rule,
                 status,
                 message,
                 detail,
+                ..
             } => (
                 Route::Reject {
                     rule,
@@ -553,6 +779,7 @@ impl Router for Picker {
             ),
             Pick::Local(local) => {
                 let mut ticket = Ticket::new(
+                    &self.flow,
                     Arc::clone(&local.state),
                     local.addresses.first().cloned(),
                     local.features,
@@ -598,7 +825,7 @@ impl Router for Picker {
                         return (route, None);
                     }
                 };
-                let ticket = Ticket::new(p.state, None, None, None, None, false);
+                let ticket = Ticket::new(&self.flow, p.state, None, None, None, None, false);
                 let route = Route::Provider(ProviderRoute {
                     rule: p.rule,
                     provider: p.provider,
@@ -610,6 +837,14 @@ impl Router for Picker {
                 (route, Some(ticket))
             }
         }
+    }
+}
+
+impl Router for Picker {
+    type Ticket = Ticket;
+
+    async fn route(&self, request: &Incoming<'_>) -> (Route, Option<Ticket>) {
+        self.pick_or_wait(request).await
     }
 
     fn complete(&self, ticket: &mut Ticket, facts: ResponseFacts) {

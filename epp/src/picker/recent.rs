@@ -20,6 +20,37 @@ pub struct RecordedDecision {
     pub tags: Tags,
     pub candidates: Vec<Candidate>,
     pub seed: u64,
+    /// Its wait for room (`onEmpty: Wait`), if it waited.
+    pub waited: Option<Waited>,
+}
+
+/// A decision's wait for room.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Waited {
+    pub priority: i32,
+    pub took: std::time::Duration,
+    pub outcome: WaitOutcome,
+}
+
+/// How a wait for room ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitOutcome {
+    /// Room came: the decision is the route.
+    Dispatched,
+    /// `maxWait` passed: the rule's reject answered.
+    Expired,
+    /// A higher priority took the place: 429.
+    Shed,
+}
+
+impl WaitOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitOutcome::Dispatched => "dispatched",
+            WaitOutcome::Expired => "expired",
+            WaitOutcome::Shed => "shed",
+        }
+    }
 }
 
 /// A replayed trace larger than this is left out of `/debug/explain`.
@@ -82,7 +113,7 @@ fn replay(d: &RecordedDecision) -> Value {
     } else {
         trace
     };
-    json!({
+    let mut out = json!({
         "at": at,
         "policyHash": compiled.hash,
         "request": d.request.redacted(),
@@ -90,5 +121,15 @@ fn replay(d: &RecordedDecision) -> Value {
         "candidates": d.candidates.len(),
         "trace": trace,
         "decision": outcome,
-    })
+    });
+    if let Some(waited) = d.waited {
+        // The trace replays the last evaluation: the one room came for, or
+        // the one that ended the wait.
+        out["waited"] = json!({
+            "priority": waited.priority,
+            "ms": waited.took.as_secs_f64() * 1e3,
+            "outcome": waited.outcome.as_str(),
+        });
+    }
+    out
 }
