@@ -33,19 +33,19 @@
 //! measured. Which server answered comes from the simulator's `x-sim-server`
 //! response header.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::predict::DEFAULT_BLOCKS_PER_ENDPOINT;
-use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tokio::net::TcpListener;
+
+mod common;
+
+use common::{flags, percentile, start_epp};
 
 const MODEL: &str = "llama-3-8b";
 
@@ -197,68 +197,6 @@ struct RunResult {
     per_server: Vec<u64>,
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
-    sorted[rank.min(sorted.len()) - 1]
-}
-
-/// The EPP as the binary runs it with its default flags, serving ext_proc on
-/// loopback until the returned sender fires.
-struct RunningEpp {
-    stop: tokio::sync::oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<anyhow::Result<()>>,
-    scraper: tokio::task::JoinHandle<()>,
-}
-
-async fn start_epp(yaml: &str, sims: &[SimHandle]) -> anyhow::Result<(SocketAddr, RunningEpp)> {
-    let epp = Epp::new(Settings {
-        secure_serving: true,
-        ..Settings::default()
-    });
-    epp.policy()
-        .load_text(&format!("{POOL}{yaml}"))
-        .map_err(|e| anyhow::anyhow!(e))?;
-    // Standalone endpoints, as `--endpoints-file` gives them.
-    epp.registry()
-        .replace_all(endpoints_from_specs(sims.iter().map(|s| {
-            let mut spec = EndpointSpec::new(s.addr().to_string(), &[MODEL]);
-            spec.name = Some(s.name().to_string());
-            spec
-        }))?);
-    epp.registry().mark_synced();
-    let scraper = epp.spawn_scraper();
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn({
-        let epp = epp.clone();
-        async move {
-            epp.serve_ext_proc(listener, async move {
-                let _ = stopped.await;
-            })
-            .await
-        }
-    });
-    if !epp
-        .registry()
-        .wait_until_scraped(Duration::from_secs(5))
-        .await
-    {
-        anyhow::bail!("the EPP never scraped the simulators");
-    }
-    Ok((
-        addr,
-        RunningEpp {
-            stop,
-            server,
-            scraper,
-        },
-    ))
-}
-
 async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result<RunResult> {
     let mut sims: Vec<SimHandle> = Vec::new();
     for i in 0..sc.servers {
@@ -278,7 +216,10 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
     let (template, epp) = match policy.yaml {
         // No EPP: Envoy balances the static pool cluster itself.
         None => (Template::Static, None),
-        Some(yaml) => (Template::Streamed, Some(start_epp(yaml, &sims).await?)),
+        Some(yaml) => {
+            let epp = start_epp(&format!("{POOL}{yaml}"), MODEL, &sims).await?;
+            (Template::Streamed, Some(epp))
+        }
     };
     // `Template::Static` has no ext_proc: its EPP address is never dialled.
     let epp_addr = epp
@@ -365,28 +306,6 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
         },
         per_server,
     })
-}
-
-/// `--name value` flags; anything else (cargo passes `--bench`) is ignored.
-fn flags() -> BTreeMap<String, String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut out = BTreeMap::new();
-    let mut i = 0;
-    while i < args.len() {
-        if let Some(name) = args[i].strip_prefix("--") {
-            let value = args
-                .get(i + 1)
-                .filter(|v| !v.starts_with("--"))
-                .cloned()
-                .unwrap_or_default();
-            if !value.is_empty() {
-                i += 1;
-            }
-            out.insert(name.to_string(), value);
-        }
-        i += 1;
-    }
-    out
 }
 
 fn main() -> anyhow::Result<()> {
