@@ -132,6 +132,24 @@ fn epp_exposition() -> String {
         DecisionOutcome::Reject { status: 503 },
         Duration::from_millis(1),
     );
+    // A request waits and another, of the same priority, finds no place.
+    let flow = &epp.picker.flow;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let _waiting = runtime.block_on(async {
+        use kinference_epp::flow::{Bounds, Place};
+        let place = Place {
+            priority: 0,
+            flow: String::new(),
+            bytes: 10,
+        };
+        let one = Bounds {
+            requests: 1,
+            bytes: 100,
+        };
+        let waiting = flow.enter(place.clone(), Duration::from_secs(1), one).ok();
+        assert!(flow.enter(place, Duration::from_secs(1), one).is_err());
+        waiting
+    });
     metrics.observe_ttft_prediction(0.1, 0.12);
     metrics.observe_cached_prefix_prediction("estimate", 10.0, 12, 100);
     metrics.render(epp.registry(), Some("0123"))
@@ -250,4 +268,70 @@ fn the_pod_monitors_select_the_epp_and_operator_pods_and_their_metrics_ports() {
         &template["metadata"]["labels"],
         &ports,
     );
+}
+
+/// The alert rules as a plain Prometheus rule file (the PrometheusRule's
+/// `spec`), written to `dir/rules.yaml` beside the alerts' unit tests.
+fn write_rule_files(dir: &std::path::Path) -> std::path::PathBuf {
+    let docs = yaml_documents_to_json(&monitoring("prometheus-rules.yaml")).unwrap();
+    let groups = serde_json::json!({ "groups": docs[0]["spec"]["groups"] });
+    std::fs::write(
+        dir.join("rules.yaml"),
+        serde_json::to_string_pretty(&groups).unwrap(),
+    )
+    .unwrap();
+    let tests = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/prometheus-rules.tests.yaml"
+    );
+    std::fs::copy(tests, dir.join("tests.yaml")).unwrap();
+    dir.join("rules.yaml")
+}
+
+/// `promtool <args>` in `dir`: its exit status and everything it printed.
+fn promtool(dir: &std::path::Path, args: &[&str]) -> (bool, String) {
+    let bin = kinference_e2e::tools::installed("promtool", "KINFERENCE_PROMTOOL").unwrap();
+    let out = std::process::Command::new(bin)
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Prometheus's own checks (promtool, from the Go module proxy): every
+/// rule parses and is well formed, and each alert the unit tests cover
+/// fires when, and with the labels and text, it should.
+#[test]
+fn promtool_passes_the_alert_rules_and_their_unit_tests() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = write_rule_files(dir.path());
+    let count = rule_expressions().len();
+    let (ok, text) = promtool(dir.path(), &["check", "rules", rules.to_str().unwrap()]);
+    assert!(ok, "promtool check rules: {text}");
+    assert!(
+        text.contains(&format!("SUCCESS: {count} rules found")),
+        "{text}"
+    );
+    let (ok, text) = promtool(dir.path(), &["test", "rules", "tests.yaml"]);
+    assert!(ok, "promtool test rules: {text}");
+    assert!(text.contains("SUCCESS"), "{text}");
+}
+
+/// The unit tests can fail: an alert that fires later than a test expects
+/// is reported.
+#[test]
+fn promtool_reports_an_alert_that_does_not_fire_when_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    write_rule_files(dir.path());
+    let tests = std::fs::read_to_string(dir.path().join("tests.yaml")).unwrap();
+    // The not-ready alert waits 5 minutes: at 4 it cannot have fired.
+    let broken = tests.replacen("- eval_time: 7m", "- eval_time: 4m30s", 1);
+    assert_ne!(broken, tests);
+    std::fs::write(dir.path().join("tests.yaml"), broken).unwrap();
+    let (ok, text) = promtool(dir.path(), &["test", "rules", "tests.yaml"]);
+    assert!(!ok, "{text}");
+    assert!(text.contains("KinferenceEppNotReady"), "{text}");
 }
