@@ -140,6 +140,7 @@ fn epp_exposition() -> String {
         let place = Place {
             priority: 0,
             flow: String::new(),
+            rule: "r".into(),
             bytes: 10,
         };
         let one = Bounds {

@@ -18,7 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-pub use queue::{Bounds, Shed};
+pub use queue::{Bounds, Place, Shed};
 use queue::{Id, Queue};
 
 use crate::metrics::Metrics;
@@ -74,6 +74,8 @@ pub enum Outcome {
     Dispatched,
     Expired,
     Shed,
+    /// Evaluated again, the policy answered otherwise (a reload).
+    Rejected,
     /// The client or the gateway went away first.
     Cancelled,
 }
@@ -84,6 +86,7 @@ impl Outcome {
             Outcome::Dispatched => "dispatched",
             Outcome::Expired => "expired",
             Outcome::Shed => "shed",
+            Outcome::Rejected => "rejected",
             Outcome::Cancelled => "cancelled",
         }
     }
@@ -131,13 +134,7 @@ impl FlowControl {
         let (signals, rx) = mpsc::unbounded_channel();
         let admitted = {
             let mut queue = self.queue();
-            let admitted = queue.admit(
-                place.priority,
-                &place.flow,
-                place.bytes,
-                Slot { signals },
-                bounds,
-            );
+            let admitted = queue.admit(&place, Slot { signals }, bounds);
             self.metrics.set_depths(&queue);
             admitted
         };
@@ -150,10 +147,14 @@ impl FlowControl {
                 return Err(why);
             }
         };
-        for (slot, priority, why) in admitted.shed {
-            self.metrics.shed(priority, why);
+        // Counted by each when it reads this: one mid-turn may leave with
+        // room instead.
+        for (slot, _, why) in admitted.shed {
             let _ = slot.signals.send(Signal::Shed(why));
         }
+        // Room may be there already: a scrape, a Pod, a finish that came
+        // before this request joined.
+        self.wake();
         let now = Instant::now();
         Ok(Waiting {
             flow: Arc::clone(self),
@@ -172,10 +173,19 @@ impl FlowControl {
         }
     }
 
-    /// Offers room in turn order whenever it may have come. Holds the
-    /// control only weakly between passes would be tidier; the picker that
-    /// owns it lives as long as the process.
+    /// Whether a request of `rule` at `priority` or above waits: a newcomer
+    /// must not take the room it waits for.
+    pub fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
+        let queue = self.queue();
+        !queue.is_empty() && queue.waiting_ahead(rule, priority)
+    }
+
+    /// Offers room in turn order whenever it may have come. It holds the
+    /// control for good: the picker that owns it lives as long as the
+    /// process.
     async fn dispatch(self: Arc<Self>) {
+        // Should this task ever end (a panic), the next request starts one.
+        let _restart = RestartOnDrop(Arc::clone(&self));
         loop {
             if self.queue().is_empty() {
                 self.wake.notified().await;
@@ -212,8 +222,10 @@ impl FlowControl {
             if signals.send(Signal::Turn(reply)).is_err() {
                 continue;
             }
-            if let Ok(Ok(true)) = tokio::time::timeout(TURN_LIMIT, answer).await {
-                left += 1;
+            match tokio::time::timeout(TURN_LIMIT, answer).await {
+                Ok(Ok(true)) => left += 1,
+                // Stays: its flow lets the band's others go first next time.
+                _ => self.queue().passed_over(id),
             }
         }
         left
@@ -229,13 +241,12 @@ impl FlowControl {
     }
 }
 
-/// Where a request waits: its priority, its flow within the priority, and
-/// the bytes it holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
-    pub priority: i32,
-    pub flow: String,
-    pub bytes: u64,
+struct RestartOnDrop(Arc<FlowControl>);
+
+impl Drop for RestartOnDrop {
+    fn drop(&mut self) {
+        self.0.dispatching.store(false, Ordering::Release);
+    }
 }
 
 /// A request's place in the queue, given up when dropped.
@@ -257,6 +268,7 @@ impl Waiting {
                 Some(Signal::Turn(reply)) => Next::Turn(Turn(reply)),
                 Some(Signal::Shed(why)) => {
                     self.outcome = Outcome::Shed;
+                    self.flow.metrics.shed(self.priority, why);
                     Next::Shed(why)
                 }
                 // The queue holds the sender until the place is given up.
@@ -278,10 +290,14 @@ impl Waiting {
         self.priority
     }
 
-    /// The request leaves with a destination (or an answer other than the
-    /// wait's own).
+    /// The request leaves with a destination.
     pub fn dispatched(mut self) {
         self.outcome = Outcome::Dispatched;
+    }
+
+    /// Evaluated again, the policy answered without waiting (a reload).
+    pub fn rejected(mut self) {
+        self.outcome = Outcome::Rejected;
     }
 }
 
@@ -387,6 +403,7 @@ mod tests {
         Place {
             priority,
             flow: flow.into(),
+            rule: "r".into(),
             bytes: 100,
         }
     }
@@ -411,7 +428,6 @@ mod tests {
             .enter(place(9, "a"), Duration::from_secs(5), ROOMY)
             .ok()
             .unwrap();
-        flow.wake();
         let Next::Turn(turn) = high.next().await else {
             panic!("the high band is asked first");
         };
@@ -526,7 +542,6 @@ mod tests {
             .enter(place(0, "a"), Duration::from_secs(5), ROOMY)
             .ok()
             .unwrap();
-        flow.wake();
         let Next::Turn(turn) = gone.next().await else {
             panic!("a turn");
         };

@@ -38,6 +38,8 @@ impl Shed {
 struct Entry<T> {
     priority: i32,
     flow: String,
+    /// The rule it waits for: a newcomer of that rule queues behind it.
+    rule: String,
     bytes: u64,
     payload: T,
 }
@@ -61,6 +63,9 @@ pub struct Queue<T> {
     bands: BTreeMap<i32, Band>,
     entries: HashMap<Id, Entry<T>>,
     bytes: u64,
+    /// Requests and bytes by priority, kept as entries come and go (read
+    /// at every change, for `/metrics`).
+    depths: BTreeMap<i32, (usize, u64)>,
     next: Id,
 }
 
@@ -70,9 +75,21 @@ impl<T> Default for Queue<T> {
             bands: BTreeMap::new(),
             entries: HashMap::new(),
             bytes: 0,
+            depths: BTreeMap::new(),
             next: 0,
         }
     }
+}
+
+/// Where a request waits, as the queue orders it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub priority: i32,
+    /// Its flow within the priority (the fairness id).
+    pub flow: String,
+    /// The rule it waits for.
+    pub rule: String,
+    pub bytes: u64,
 }
 
 /// A request admitted, and those shed to make room for it.
@@ -96,14 +113,17 @@ impl<T> Queue<T> {
     }
 
     /// Waiting requests and their bytes, by priority.
-    pub fn depth_by_priority(&self) -> BTreeMap<i32, (usize, u64)> {
-        let mut out = BTreeMap::new();
-        for e in self.entries.values() {
-            let (n, b) = out.entry(e.priority).or_insert((0, 0));
-            *n += 1;
-            *b += e.bytes;
-        }
-        out
+    pub fn depth_by_priority(&self) -> &BTreeMap<i32, (usize, u64)> {
+        &self.depths
+    }
+
+    /// Whether a request of `rule` at `priority` or above is waiting: a
+    /// newcomer of that rule and priority must not take room before it.
+    pub fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
+        self.bands
+            .range(priority..)
+            .flat_map(|(_, band)| band.flows.iter().flat_map(|(_, ids)| ids))
+            .any(|id| self.entries.get(id).is_some_and(|e| e.rule == rule))
     }
 
     /// Places a request at the back of its flow, shedding lower priorities
@@ -111,12 +131,11 @@ impl<T> Queue<T> {
     /// equal or higher priority) could give way.
     pub fn admit(
         &mut self,
-        priority: i32,
-        flow: &str,
-        bytes: u64,
+        place: &Place,
         payload: T,
         bounds: Bounds,
     ) -> Result<Admitted<T>, (T, Shed)> {
+        let (priority, flow, bytes) = (place.priority, place.flow.as_str(), place.bytes);
         let victims = match self.victims(priority, bytes, bounds) {
             Ok(v) => v,
             Err(shed) => return Err((payload, shed)),
@@ -138,9 +157,13 @@ impl<T> Queue<T> {
                 .push_back((flow.to_string(), VecDeque::from([id]))),
         }
         self.bytes += bytes;
+        let depth = self.depths.entry(priority).or_default();
+        depth.0 += 1;
+        depth.1 += bytes;
         let entry = Entry {
             priority,
             flow: flow.to_string(),
+            rule: place.rule.clone(),
             bytes,
             payload,
         };
@@ -161,6 +184,9 @@ impl<T> Queue<T> {
             }
         };
         let (mut count, mut total) = (self.entries.len(), self.bytes);
+        if over(count, total).is_none() {
+            return Ok(Vec::new());
+        }
         let mut victims = Vec::new();
         for (&band_priority, band) in &self.bands {
             if band_priority >= priority {
@@ -195,6 +221,25 @@ impl<T> Queue<T> {
             .collect()
     }
 
+    /// The request `id` had its turn and stays: if it heads its flow, the
+    /// flow goes to the back of its band, so that every flow of a band has
+    /// turns however many there are.
+    pub fn passed_over(&mut self, id: Id) {
+        let Some(entry) = self.entries.get(&id) else {
+            return;
+        };
+        let Some(band) = self.bands.get_mut(&entry.priority) else {
+            return;
+        };
+        let at = band
+            .flows
+            .iter()
+            .position(|(name, ids)| *name == entry.flow && ids.front() == Some(&id));
+        if let Some(flow) = at.and_then(|at| band.flows.remove(at)) {
+            band.flows.push_back(flow);
+        }
+    }
+
     pub fn payload(&self, id: Id) -> Option<&T> {
         self.entries.get(&id).map(|e| &e.payload)
     }
@@ -204,6 +249,13 @@ impl<T> Queue<T> {
     pub fn remove(&mut self, id: Id) -> Option<RemovedEntry<T>> {
         let entry = self.entries.remove(&id)?;
         self.bytes -= entry.bytes;
+        if let Some(depth) = self.depths.get_mut(&entry.priority) {
+            depth.0 -= 1;
+            depth.1 -= entry.bytes;
+            if depth.0 == 0 {
+                self.depths.remove(&entry.priority);
+            }
+        }
         let band = self.bands.get_mut(&entry.priority)?;
         let at = band
             .flows
@@ -260,8 +312,20 @@ mod tests {
         bytes: 1 << 20,
     };
 
+    fn place(priority: i32, flow: &str, bytes: u64) -> Place {
+        Place {
+            priority,
+            flow: flow.into(),
+            rule: "r".into(),
+            bytes,
+        }
+    }
+
     fn admit(q: &mut Queue<&'static str>, priority: i32, flow: &str, name: &'static str) -> Id {
-        q.admit(priority, flow, 10, name, ROOMY).ok().unwrap().id
+        q.admit(&place(priority, flow, 10), name, ROOMY)
+            .ok()
+            .unwrap()
+            .id
     }
 
     fn names(q: &Queue<&'static str>) -> Vec<&'static str> {
@@ -314,9 +378,9 @@ mod tests {
             bytes: 1 << 20,
         };
         let mut q = Queue::default();
-        q.admit(0, "a", 1, "low-old", bounds).ok().unwrap();
-        q.admit(0, "a", 1, "low-new", bounds).ok().unwrap();
-        let admitted = q.admit(5, "a", 1, "high", bounds).ok().unwrap();
+        q.admit(&place(0, "a", 1), "low-old", bounds).ok().unwrap();
+        q.admit(&place(0, "a", 1), "low-new", bounds).ok().unwrap();
+        let admitted = q.admit(&place(5, "a", 1), "high", bounds).ok().unwrap();
         let shed: Vec<_> = admitted
             .shed
             .iter()
@@ -333,10 +397,10 @@ mod tests {
             bytes: 1 << 20,
         };
         let mut q = Queue::default();
-        q.admit(0, "a", 1, "first", bounds).ok().unwrap();
-        let refused = q.admit(0, "b", 1, "same", bounds).err().unwrap();
+        q.admit(&place(0, "a", 1), "first", bounds).ok().unwrap();
+        let refused = q.admit(&place(0, "b", 1), "same", bounds).err().unwrap();
         assert_eq!(refused, ("same", Shed::Requests));
-        let refused = q.admit(-1, "b", 1, "lower", bounds).err().unwrap();
+        let refused = q.admit(&place(-1, "b", 1), "lower", bounds).err().unwrap();
         assert_eq!(refused, ("lower", Shed::Requests));
         assert_eq!(names(&q), ["first"]);
     }
@@ -348,11 +412,11 @@ mod tests {
             bytes: 100,
         };
         let mut q = Queue::default();
-        q.admit(0, "a", 40, "a40", bounds).ok().unwrap();
-        q.admit(0, "b", 40, "b40", bounds).ok().unwrap();
-        q.admit(1, "c", 20, "c20", bounds).ok().unwrap();
+        q.admit(&place(0, "a", 40), "a40", bounds).ok().unwrap();
+        q.admit(&place(0, "b", 40), "b40", bounds).ok().unwrap();
+        q.admit(&place(1, "c", 20), "c20", bounds).ok().unwrap();
         // 70 bytes at priority 1: two of priority 0 must go.
-        let admitted = q.admit(1, "d", 70, "d70", bounds).ok().unwrap();
+        let admitted = q.admit(&place(1, "d", 70), "d70", bounds).ok().unwrap();
         assert_eq!(admitted.shed.len(), 2);
         assert!(
             admitted
@@ -363,7 +427,7 @@ mod tests {
         assert_eq!(q.bytes(), 90);
         // 30 more at priority 1: only equal priorities are left, so the
         // newcomer is refused and nobody is shed.
-        let refused = q.admit(1, "e", 30, "e30", bounds).err().unwrap();
+        let refused = q.admit(&place(1, "e", 30), "e30", bounds).err().unwrap();
         assert_eq!(refused, ("e30", Shed::Bytes));
         assert_eq!(q.len(), 2);
     }
@@ -376,11 +440,58 @@ mod tests {
         };
         let mut q = Queue::default();
         for name in ["flood1", "flood2", "flood3"] {
-            q.admit(0, "flood", 1, name, bounds).ok().unwrap();
+            q.admit(&place(0, "flood", 1), name, bounds).ok().unwrap();
         }
-        q.admit(0, "quiet", 1, "quiet1", bounds).ok().unwrap();
-        let admitted = q.admit(3, "vip", 1, "vip1", bounds).ok().unwrap();
+        q.admit(&place(0, "quiet", 1), "quiet1", bounds)
+            .ok()
+            .unwrap();
+        let admitted = q.admit(&place(3, "vip", 1), "vip1", bounds).ok().unwrap();
         assert_eq!(admitted.shed[0].0, "flood3");
+    }
+
+    #[test]
+    fn a_flow_passed_over_goes_behind_the_others_of_its_band() {
+        let mut q = Queue::default();
+        let a1 = admit(&mut q, 0, "a", "a1");
+        admit(&mut q, 0, "b", "b1");
+        admit(&mut q, 0, "c", "c1");
+        admit(&mut q, 5, "h", "h1");
+        q.passed_over(a1);
+        assert_eq!(names(&q), ["h1", "b1", "c1", "a1"]);
+        // Only a flow's head moves its flow.
+        let mut q = Queue::default();
+        admit(&mut q, 0, "a", "a1");
+        let a2 = admit(&mut q, 0, "a", "a2");
+        admit(&mut q, 0, "b", "b1");
+        q.passed_over(a2);
+        assert_eq!(names(&q), ["a1", "b1"]);
+    }
+
+    #[test]
+    fn a_rule_has_waiting_ahead_at_its_own_priority_and_below_a_higher_one() {
+        let mut q = Queue::default();
+        q.admit(&place(5, "a", 1), "x", ROOMY).ok().unwrap();
+        assert!(q.waiting_ahead("r", 5));
+        assert!(q.waiting_ahead("r", 0));
+        assert!(!q.waiting_ahead("r", 6), "a higher priority goes first");
+        assert!(!q.waiting_ahead("other-rule", 0));
+    }
+
+    #[test]
+    fn depths_follow_every_admission_and_removal() {
+        let mut q = Queue::default();
+        let a = q.admit(&place(1, "a", 30), "a", ROOMY).ok().unwrap().id;
+        q.admit(&place(1, "b", 20), "b", ROOMY).ok().unwrap();
+        q.admit(&place(-1, "c", 5), "c", ROOMY).ok().unwrap();
+        assert_eq!(
+            q.depth_by_priority()
+                .iter()
+                .map(|(k, v)| (*k, *v))
+                .collect::<Vec<_>>(),
+            [(-1, (1, 5)), (1, (2, 50))]
+        );
+        q.remove(a);
+        assert_eq!(q.depth_by_priority().get(&1), Some(&(1, 20)));
     }
 
     #[test]
@@ -390,6 +501,7 @@ mod tests {
         assert!(q.remove(a).is_some());
         assert!(q.is_empty());
         assert!(q.bands.is_empty());
+        assert!(q.depths.is_empty());
         assert!(q.remove(a).is_none());
     }
 }

@@ -17,6 +17,7 @@ use kinference_policy::eval::{
     Decision, DecisionRecord, Evaluation, NoTrace, PrefixSource, Request, Tags, decision_detail,
     evaluate,
 };
+use kinference_policy::model::OnEmpty;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
@@ -114,6 +115,8 @@ struct Prepared {
     /// Set when the wait ended without room: the last evaluation is
     /// recorded as the decision.
     wait_ended: Option<WaitOutcome>,
+    /// The policy `tags` were computed under.
+    policy_hash: Option<String>,
 }
 
 /// Counts a decision in `/metrics`.
@@ -311,6 +314,11 @@ impl Picker {
                 detail: None,
             };
         }
+        // Tags name classifiers by their place in the policy that ran them.
+        if prepared.policy_hash.as_deref() != Some(policy.compiled.hash.as_str()) {
+            prepared.tags = Tags::default();
+            prepared.policy_hash = Some(policy.compiled.hash.clone());
+        }
         if prepared.hashes.is_none() {
             let mut hashes = Vec::new();
             block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
@@ -327,26 +335,36 @@ impl Picker {
             .evaluate(&policy, &request, &set, incoming, seed, &mut prepared.tags)
             .await;
         let mut pick = set.to_pick(self, &policy, &request, &decision);
+        if prepared.waiting_since.is_none() {
+            pick = self.behind_waiting(&policy, &request, &decision, pick);
+        }
         let waits = pick.waits().is_some();
         if waits && prepared.wait_ended.is_none() {
             // Not a decision yet: recorded once the wait ends.
             return pick;
         }
+        // What the request gets: not a wait that ended (its caller counts
+        // the answer), nor room found by a request already shed.
+        let decided = !waits && prepared.wait_ended != Some(WaitOutcome::Shed);
         let hashes = prepared.hashes.take().unwrap_or_default();
         let tags = std::mem::take(&mut prepared.tags);
-        if !waits {
-            // A wait that ended without room is counted by its caller,
-            // with the status it answers.
+        if decided {
             observe(&self.metrics, &pick, started.elapsed());
         }
         if let Pick::Local(local) = &mut pick {
             // Recorded by the caller once the answer is on its way: a new long
             // prompt costs a few hundred microseconds to index.
             local.prefix_hashes = hashes;
-            if let (Some((key, ttl)), Some(address)) = (session, local.addresses.first()) {
+            if decided && let (Some((key, ttl)), Some(address)) = (session, local.addresses.first())
+            {
                 self.sessions.remember(key, address, ttl, started);
             }
         }
+        let wait_outcome = match (&pick, decided) {
+            (_, false) => prepared.wait_ended.unwrap_or(WaitOutcome::Expired),
+            (Pick::Reject { .. }, true) => WaitOutcome::Rejected,
+            (_, true) => WaitOutcome::Dispatched,
+        };
         if self.config.decision_detail {
             // A second, traced evaluation with the decision's own seed: debug only.
             let detail = decision_detail(&policy.compiled, &request, &tags, &set.candidates, seed);
@@ -376,10 +394,39 @@ impl Picker {
             waited: prepared.waiting_since.map(|since| Waited {
                 priority,
                 took: since.elapsed(),
-                outcome: prepared.wait_ended.unwrap_or(WaitOutcome::Dispatched),
+                outcome: wait_outcome,
             }),
         });
         pick
+    }
+
+    /// A newcomer whose rule would route it, while requests of that rule
+    /// at its priority or above wait for room, waits behind them: the
+    /// room it found is theirs first.
+    fn behind_waiting(
+        &self,
+        policy: &LoadedPolicy,
+        request: &Request,
+        decision: &Decision,
+        pick: Pick,
+    ) -> Pick {
+        let Decision::Route(routed) = decision else {
+            return pick;
+        };
+        let rule = &policy.compiled.rules[routed.rule];
+        let OnEmpty::Wait(max_wait) = rule.route.on_empty else {
+            return pick;
+        };
+        if !self.flow.waiting_ahead(&rule.name, request.priority) {
+            return pick;
+        }
+        Pick::Reject {
+            rule: Some(rule.name.clone()),
+            status: rule.route.reject.status,
+            message: rule.route.reject.message.clone(),
+            wait: Some(max_wait),
+            detail: None,
+        }
     }
 
     /// Evaluates the policy, running the classifiers it reaches that have
@@ -626,9 +673,8 @@ impl Picker {
         let Some(max_wait) = pick.waits() else {
             return self.dispatch(pick, request);
         };
-        let place = self.place(request);
-        let policy = self.policy.current();
-        let bounds = policy.as_ref().map_or(
+        let place = self.place(request, &pick);
+        let bounds = self.policy.current().map_or(
             Bounds {
                 requests: 0,
                 bytes: 0,
@@ -638,13 +684,18 @@ impl Picker {
                 bytes: p.compiled.flow_control.max_bytes,
             },
         );
+        prepared.waiting_since = Some(Instant::now());
         let mut waiting = match self.flow.enter(place, max_wait, bounds) {
             Ok(w) => w,
-            Err(why) => return self.dispatch(shed(pick, why, Duration::ZERO), request),
+            Err(why) => {
+                let pick = self
+                    .end_wait(request, &mut prepared, pick, Ended::Shed(why))
+                    .await;
+                return self.dispatch(pick, request);
+            }
         };
-        prepared.waiting_since = Some(Instant::now());
         let mut turn: Option<Turn> = None;
-        while pick.waits().is_some() {
+        loop {
             if let Some(t) = turn.take() {
                 t.answer(false);
             }
@@ -652,27 +703,31 @@ impl Picker {
                 Next::Turn(t) => {
                     turn = Some(t);
                     pick = self.pick_prepared(request, &mut prepared).await;
+                    if pick.waits().is_none() {
+                        break;
+                    }
                 }
                 Next::Shed(why) => {
-                    pick = shed(pick, why, waiting.waited());
-                    self.record_ended_wait(request, &mut prepared, WaitOutcome::Shed)
+                    pick = self
+                        .end_wait(request, &mut prepared, pick, Ended::Shed(why))
                         .await;
                     break;
                 }
                 Next::Expired => {
-                    pick = expired(pick, waiting.waited());
-                    self.record_ended_wait(request, &mut prepared, WaitOutcome::Expired)
+                    pick = self
+                        .end_wait(request, &mut prepared, pick, Ended::Expired)
                         .await;
                     break;
                 }
             }
         }
-        if matches!(pick, Pick::Reject { .. }) {
-            observe(&self.metrics, &pick, waiting.waited());
-        }
         let waited = waiting.waited();
-        if !matches!(pick, Pick::Reject { .. }) {
-            waiting.dispatched();
+        match &pick {
+            Pick::Local(_) | Pick::Provider(_) => waiting.dispatched(),
+            // A turn answered otherwise (a reload); a shed or an expiry
+            // was told its outcome already.
+            Pick::Reject { .. } if turn.is_some() => waiting.rejected(),
+            Pick::Reject { .. } => {}
         }
         let routed = self.dispatch(pick, request);
         if let Some(t) = turn {
@@ -682,21 +737,44 @@ impl Picker {
         routed
     }
 
-    /// A wait that ended without room: its last evaluation, recorded as
-    /// the decision for `/debug/explain` and the decision log.
-    async fn record_ended_wait(
+    /// A wait that ends without a turn's room: shed (429), or at its
+    /// deadline, where one last evaluation takes room that came with it.
+    /// Either way the last evaluation is recorded for `/debug/explain` and
+    /// the decision log, and the answer counted.
+    async fn end_wait(
         &self,
         request: &Incoming<'_>,
         prepared: &mut Prepared,
-        how: WaitOutcome,
-    ) {
-        prepared.wait_ended = Some(how);
-        let _ = self.pick_prepared(request, prepared).await;
+        waiting_pick: Pick,
+        how: Ended,
+    ) -> Pick {
+        let waited = prepared
+            .waiting_since
+            .map_or(Duration::ZERO, |s| s.elapsed());
+        let answer = match how {
+            Ended::Shed(why) => {
+                prepared.wait_ended = Some(WaitOutcome::Shed);
+                let _ = self.pick_prepared(request, prepared).await;
+                shed(waiting_pick, why, waited)
+            }
+            Ended::Expired => {
+                prepared.wait_ended = Some(WaitOutcome::Expired);
+                let last = self.pick_prepared(request, prepared).await;
+                if last.waits().is_none() {
+                    // Counted and recorded as a decision already.
+                    return last;
+                }
+                expired(last, waited)
+            }
+        };
+        observe(&self.metrics, &answer, waited);
+        answer
     }
 
     /// Where a request waits: its objective's priority, its flow (the
-    /// fairness id, else its tenant), and its body's size.
-    fn place(&self, request: &Incoming<'_>) -> Place {
+    /// fairness id, else its tenant), the rule it waits for, and its body's
+    /// size.
+    fn place(&self, request: &Incoming<'_>, waiting: &Pick) -> Place {
         let header = |name: &str| request.headers.get(name).filter(|v| !v.is_empty());
         let objective = header(OBJECTIVE_HEADER).map(String::as_str);
         let tenant_header = self
@@ -707,12 +785,23 @@ impl Picker {
             .or_else(|| header(tenant_header.as_deref()?))
             .map(|f| kinference_policy::eval::clamp_attribute(f).to_string())
             .unwrap_or_default();
+        let rule = match waiting {
+            Pick::Reject { rule, .. } => rule.clone().unwrap_or_default(),
+            _ => String::new(),
+        };
         Place {
             priority: self.objectives.priority(objective),
             flow,
+            rule,
             bytes: request.body_bytes as u64,
         }
     }
+}
+
+/// How a wait ended without a turn's room.
+enum Ended {
+    Shed(Shed),
+    Expired,
 }
 
 /// The wait ended before room came: the rule's own reject answers.

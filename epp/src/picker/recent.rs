@@ -41,6 +41,8 @@ pub enum WaitOutcome {
     Expired,
     /// A higher priority took the place: 429.
     Shed,
+    /// Evaluated again, the policy answered without waiting (a reload).
+    Rejected,
 }
 
 impl WaitOutcome {
@@ -49,6 +51,7 @@ impl WaitOutcome {
             WaitOutcome::Dispatched => "dispatched",
             WaitOutcome::Expired => "expired",
             WaitOutcome::Shed => "shed",
+            WaitOutcome::Rejected => "rejected",
         }
     }
 }
