@@ -2,6 +2,7 @@
 //! CRDs, run the demo.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "demo")]
 mod demo;
 mod explain;
 mod lint;
@@ -91,6 +92,7 @@ enum Command {
     /// Run the whole request path on loopback (simulated model servers and a
     /// provider, the EPP, a real Envoy), send sample traffic and print
     /// per-rule decisions and latencies. No cluster needed.
+    #[cfg(feature = "demo")]
     Demo {
         /// Requests to send [default: 300; 40 with --quick].
         #[arg(long)]
@@ -154,12 +156,14 @@ fn main() -> ExitCode {
         Command::Replay { policy, log } => replay::run_replay(&policy, &log),
         Command::Diff { old, new, log } => replay::run_diff(&old, &new, &log),
         Command::Crds { dir } => write_crds(dir.as_deref()),
+        #[cfg(feature = "demo")]
         Command::Demo {
             print_policy: true, ..
         } => {
             print!("{}", demo::DEFAULT_POLICY);
             Ok(true)
         }
+        #[cfg(feature = "demo")]
         Command::Demo {
             requests,
             concurrency,
