@@ -27,9 +27,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{flags, percentile, start_epp};
+use common::{flags, gateway, percentile, start_epp};
 use kinference_simulator::{SimConfig, SimHandle};
-use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
+use kinference_testbed::envoy::Template;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -54,14 +54,14 @@ fn no_wait() -> String {
     )
 }
 
-fn wait() -> String {
+/// A rule that counts a Pod full at `full_at` requests in flight and lets
+/// the rest wait.
+fn waiting_rule(name: &str, matches: &str, full_at: usize) -> String {
     format!(
-        "{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}
-rules:
-  - name: wait
-    route:
+        "  - name: {name}
+{matches}    route:
       exclude:
-        - drop: {{ InFlight: {{ greaterThanOrEqual: {SLOTS} }} }}
+        - drop: {{ InFlight: {{ greaterThanOrEqual: {full_at} }} }}
       select: [{{ minimize: InFlight }}]
       tieBreak: Random
       onEmpty: Wait
@@ -70,32 +70,18 @@ rules:
     )
 }
 
+fn wait() -> String {
+    let rule = waiting_rule("wait", "", SLOTS);
+    format!("{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}\nrules:\n{rule}")
+}
+
 /// `wait`, with one slot of each Pod kept for positive priorities: the
 /// others wait while a Pod has one slot left.
 fn wait_reserving() -> String {
-    format!(
-        "{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}
-rules:
-  - name: priority
-    matches: [{{ priority: {{ greaterThan: 0 }} }}]
-    route:
-      exclude:
-        - drop: {{ InFlight: {{ greaterThanOrEqual: {SLOTS} }} }}
-      select: [{{ minimize: InFlight }}]
-      tieBreak: Random
-      onEmpty: Wait
-      maxWait: 10s
-  - name: rest
-    route:
-      exclude:
-        - drop: {{ InFlight: {{ greaterThanOrEqual: {} }} }}
-      select: [{{ minimize: InFlight }}]
-      tieBreak: Random
-      onEmpty: Wait
-      maxWait: 10s
-",
-        SLOTS - 1
-    )
+    let positive = "    matches: [{ priority: { greaterThan: 0 } }]\n";
+    let priority = waiting_rule("priority", positive, SLOTS);
+    let rest = waiting_rule("rest", "", SLOTS - 1);
+    format!("{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}\nrules:\n{priority}{rest}")
 }
 
 /// Requests a second the pool serves at most: every slot busy, each answer
@@ -171,16 +157,7 @@ async fn run(policy: &str, plan: &[Planned]) -> anyhow::Result<Vec<Band>> {
             .map(|&(name, priority, _)| (name.to_string(), priority))
             .collect::<HashMap<_, _>>(),
     );
-    let bootstrap = Bootstrap {
-        pool: sims.iter().map(SimHandle::addr).collect(),
-        ..Bootstrap::new(Template::Streamed, addr)
-    };
-    let envoy = Envoy::start(&bootstrap).await?;
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(512)
-        .tcp_nodelay(true)
-        .build()?;
+    let (envoy, client) = gateway(Template::Streamed, addr, &sims).await?;
     let url = envoy.url("/v1/chat/completions");
     let start = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(plan.len());

@@ -39,13 +39,13 @@ use std::time::{Duration, Instant};
 
 use kinference_epp::predict::DEFAULT_BLOCKS_PER_ENDPOINT;
 use kinference_simulator::{SimConfig, SimHandle};
-use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
+use kinference_testbed::envoy::Template;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
 
-use common::{flags, percentile, start_epp};
+use common::{flags, gateway, percentile, start_epp};
 
 const MODEL: &str = "llama-3-8b";
 
@@ -225,17 +225,7 @@ async fn run(sc: &Scenario, policy: &Policy, plan: &[Planned]) -> anyhow::Result
     let epp_addr = epp
         .as_ref()
         .map_or(SocketAddr::from(([127, 0, 0, 1], 9)), |(a, _)| *a);
-    let bootstrap = Bootstrap {
-        pool: sims.iter().map(SimHandle::addr).collect(),
-        ..Bootstrap::new(template, epp_addr)
-    };
-    let envoy = Envoy::start(&bootstrap).await?;
-
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(512)
-        .tcp_nodelay(true)
-        .build()?;
+    let (envoy, client) = gateway(template, epp_addr, &sims).await?;
     let url = envoy.url("/v1/chat/completions");
     let start = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(plan.len());

@@ -12,6 +12,7 @@ use std::time::Duration;
 use kinference_epp::endpoints::{EndpointSpec, endpoints_from_specs};
 use kinference_epp::server::{Epp, Settings};
 use kinference_simulator::SimHandle;
+use kinference_testbed::envoy::{Bootstrap, Envoy, Template};
 use tokio::net::TcpListener;
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -102,4 +103,24 @@ pub fn flags() -> BTreeMap<String, String> {
         i += 1;
     }
     out
+}
+
+/// Envoy in front of `sims` (the template's ext_proc to `epp`), and a
+/// client for the load: no proxy, no Nagle, connections kept.
+pub async fn gateway(
+    template: Template,
+    epp: SocketAddr,
+    sims: &[SimHandle],
+) -> anyhow::Result<(Envoy, reqwest::Client)> {
+    let bootstrap = Bootstrap {
+        pool: sims.iter().map(SimHandle::addr).collect(),
+        ..Bootstrap::new(template, epp)
+    };
+    let envoy = Envoy::start(&bootstrap).await?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(512)
+        .tcp_nodelay(true)
+        .build()?;
+    Ok((envoy, client))
 }
