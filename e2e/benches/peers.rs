@@ -248,6 +248,9 @@ struct Contender {
     config: Option<String>,
     /// Our EPP in precise prefix mode, with this tokenizer.
     kv_events: Option<EventsTokenizer>,
+    /// EPP processes behind the one Envoy, which spreads the ext_proc
+    /// streams over them round robin (an EPP Service with several Pods).
+    replicas: usize,
     what: &'static str,
 }
 
@@ -288,6 +291,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Direct,
             config: None,
             kv_events: None,
+            replicas: 1,
             what: "clients → simulators, round-robin (baseline)",
         },
         Contender {
@@ -295,6 +299,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::EnvoyRoundRobin,
             config: None,
             kv_events: None,
+            replicas: 1,
             what: "Envoy round-robin, no ext_proc",
         },
         Contender {
@@ -302,6 +307,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Epp(Peer::Kinference),
             config: Some(QUEUE_POLICY.into()),
             kv_events: None,
+            replicas: 1,
             what: "our EPP, one rule `minimize: QueueDepth`, `tieBreak: Random`",
         },
         Contender {
@@ -309,6 +315,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Epp(Peer::Gie),
             config: Some(GIE_QUEUE_CONFIG.into()),
             kv_events: None,
+            replicas: 1,
             what: "reference EPP, queue scorer only",
         },
         Contender {
@@ -316,13 +323,31 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
             kv_events: None,
+            replicas: 1,
             what: "our EPP, one rule `minimize: PredictedTTFT` (recommended)",
+        },
+        Contender {
+            name: "kinference-ttft-x2",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: None,
+            replicas: 2,
+            what: "our EPP, `minimize: PredictedTTFT`, 2 replicas behind one Envoy (each knows the routes it made)",
+        },
+        Contender {
+            name: "kinference-ttft-x3",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: None,
+            replicas: 3,
+            what: "our EPP, `minimize: PredictedTTFT`, 3 replicas behind one Envoy (each knows the routes it made)",
         },
         Contender {
             name: "kinference-precise",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
             kv_events: Some(EventsTokenizer::SimulatorDummy),
+            replicas: 1,
             what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode (the simulators' KV events, their dummy tokenizer)",
         },
         Contender {
@@ -330,6 +355,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
             kv_events: Some(EventsTokenizer::Qwen3),
+            replicas: 1,
             what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode with Qwen3's tokenizer (closed-loop phases only: what tokenizing adds to the request path; no events match)",
         },
         Contender {
@@ -337,13 +363,23 @@ fn contenders(args: &Args) -> Vec<Contender> {
             route: Route::Epp(Peer::Gie),
             config: None,
             kv_events: None,
+            replicas: 1,
             what: "reference EPP, default profile (queue 2 + KV 2 + prefix 3)",
+        },
+        Contender {
+            name: "gie-default-x2",
+            route: Route::Epp(Peer::Gie),
+            config: None,
+            kv_events: None,
+            replicas: 2,
+            what: "reference EPP, default profile, 2 replicas behind one Envoy (each on its own)",
         },
         Contender {
             name: "llmd",
             route: Route::Epp(Peer::Llmd),
             config: llmd_config,
             kv_events: None,
+            replicas: 1,
             what: "llm-d scheduler, its shipped epp-config.yaml",
         },
     ];
@@ -1533,7 +1569,10 @@ struct Bench {
 /// A contender's lane, set up: its EPP and Envoy (none for `direct`).
 struct Lane {
     target: Target,
+    /// The first replica: its CPU, log and predictions are the lane's.
     epp: Option<EppProcess>,
+    /// The other replicas, when the contender runs several.
+    more: Vec<EppProcess>,
     gateway: Option<Gateway>,
 }
 
@@ -1549,7 +1588,7 @@ impl Lane {
         if let Some(g) = self.gateway {
             g.envoy.stop().await;
         }
-        if let Some(e) = self.epp {
+        for e in self.epp.into_iter().chain(self.more) {
             e.stop().await;
         }
     }
@@ -1568,7 +1607,7 @@ impl Bench {
     /// Starts what `contender` needs and waits until a request goes through.
     async fn set_up(&self, contender: &Contender, sims: &[SocketAddr]) -> Result<Lane> {
         let unused = SocketAddr::from(([127, 0, 0, 1], 9));
-        let (epp, gateway) = match contender.route {
+        let (epp, more, gateway) = match contender.route {
             Route::Direct => {
                 let urls: Vec<String> = sims
                     .iter()
@@ -1578,32 +1617,40 @@ impl Bench {
                 return Ok(Lane {
                     target,
                     epp: None,
+                    more: Vec::new(),
                     gateway: None,
                 });
             }
             Route::EnvoyRoundRobin => {
                 let b = self.bootstrap(Template::Static, unused, sims.to_vec());
-                (None, start_gateway(b).await?)
+                (None, Vec::new(), start_gateway(b).await?)
             }
             Route::Epp(peer) => {
                 let binary = self.binaries.of(peer).context("not built")?;
-                let epp = EppProcess::start(
-                    peer,
-                    binary,
-                    contender.config.as_deref(),
-                    self.port,
-                    &self.kubeconfig,
-                    contender.kv_events.map(|t| (self.events_port, t)),
-                )
-                .await?;
-                let b = self.bootstrap(Template::Streamed, epp.grpc, sims.to_vec());
-                (Some(epp), start_gateway(b).await?)
+                let mut replicas = Vec::with_capacity(contender.replicas);
+                for _ in 0..contender.replicas.max(1) {
+                    let epp = EppProcess::start(
+                        peer,
+                        binary,
+                        contender.config.as_deref(),
+                        self.port,
+                        &self.kubeconfig,
+                        contender.kv_events.map(|t| (self.events_port, t)),
+                    )
+                    .await?;
+                    replicas.push(epp);
+                }
+                let first = replicas.remove(0);
+                let mut b = self.bootstrap(Template::Streamed, first.grpc, sims.to_vec());
+                b.epp_replicas = replicas.iter().map(|e| e.grpc).collect();
+                (Some(first), replicas, start_gateway(b).await?)
             }
         };
         let target = Target::Url(gateway.envoy.url("/v1/chat/completions").into());
         let path = Lane {
             target,
             epp,
+            more,
             gateway: Some(gateway),
         };
         self.wait_until_routed(&path).await?;
@@ -1616,9 +1663,13 @@ impl Bench {
     async fn wait_until_routed(&self, path: &Lane) -> Result<()> {
         let deadline = Instant::now() + START_TIMEOUT;
         let body = self.bodies.chat[0].clone();
+        // Envoy takes the replicas in turn: every one must have answered.
+        let needed = 1 + 2 * path.more.len();
+        let mut answered = 0;
         loop {
             match send(&self.http, path.target.url(0), &body).await {
-                Ok(_) => break,
+                Ok(_) if answered + 1 >= needed => break,
+                Ok(_) => answered += 1,
                 Err(e) if Instant::now() > deadline => {
                     let epp = path
                         .epp
@@ -1632,7 +1683,10 @@ impl Bench {
                         "nothing routed in {START_TIMEOUT:?}: {e:#}\nEPP log:\n{epp}\nEnvoy log:\n{envoy}"
                     );
                 }
-                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                Err(_) => {
+                    answered = 0;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
             }
         }
         tokio::time::sleep(Duration::from_secs(2)).await;

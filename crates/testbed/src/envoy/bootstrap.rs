@@ -47,6 +47,9 @@ pub struct Bootstrap {
     pub template: Template,
     /// The EPP's ext_proc address (unused by [`Template::Static`]).
     pub epp: SocketAddr,
+    /// More EPP replicas beside `epp`: Envoy spreads the ext_proc streams
+    /// over all of them, round robin, as over an EPP Service's Pods.
+    pub epp_replicas: Vec<SocketAddr>,
     /// Talk TLS to the EPP (its default), without verifying its certificate,
     /// as the reference configurations do.
     pub epp_tls: bool,
@@ -95,6 +98,7 @@ impl Bootstrap {
         Bootstrap {
             template,
             epp,
+            epp_replicas: Vec::new(),
             epp_tls: true,
             epp_client_cert: None,
             pool: Vec::new(),
@@ -159,6 +163,10 @@ impl Bootstrap {
             (
                 "POOL_ENDPOINTS",
                 self.pool.iter().map(|a| endpoint(*a)).collect(),
+            ),
+            (
+                "EPP_REPLICAS",
+                self.epp_replicas.iter().map(|a| endpoint(*a)).collect(),
             ),
             ("PRE_FILTERS", self.pre_filters()),
             ("EPP_TRANSPORT_SOCKET", self.epp_transport_socket()),
@@ -311,7 +319,20 @@ mod tests {
             pool: vec!["127.0.0.1:8000".parse().unwrap()],
             providers: vec![("cloud".into(), "127.0.0.1:9000".parse().unwrap())],
             subset_hint: Some(vec!["127.0.0.1:8000".into()]),
+            epp_replicas: vec!["127.0.0.1:9012".parse().unwrap()],
             ..Bootstrap::new(template, "127.0.0.1:9002".parse().unwrap())
+        }
+    }
+
+    #[test]
+    fn epp_replicas_are_endpoints_of_the_epp_cluster() {
+        let text = full(Template::Streamed).render(Path::new("/tmp/access.log"));
+        let cluster = &text[text.find("- name: epp").unwrap()..text.find("- name: pool").unwrap()];
+        for port in ["9002", "9012"] {
+            assert!(
+                cluster.contains(&format!("port_value: {port}")),
+                "{cluster}"
+            );
         }
     }
 
