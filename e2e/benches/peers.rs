@@ -87,6 +87,9 @@ use kinference_testbed::ttft_fit;
 use kinference_testbed::workload::{self, SharedPrefix};
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use serde_json::json;
 use tokio::process::{Child, Command};
 
@@ -203,9 +206,10 @@ struct Args {
     /// full mode).
     #[arg(long, value_delimiter = ',')]
     hot_rates: Vec<f64>,
-    /// Runs every contender this many times, in turn (rep-major, so that a
-    /// drift of the machine hits all alike); the open-loop tables give
-    /// medians over reps and each rep's ratio to the reference.
+    /// Runs every contender this many times, in turn (rep-major, each rep in
+    /// its own random order, so that a drift of the machine hits all
+    /// alike); the open-loop tables give medians over reps and each rep's
+    /// ratio to the reference.
     #[arg(long, default_value_t = 1)]
     reps: usize,
     /// Passed by `cargo bench`; ignored.
@@ -2472,14 +2476,25 @@ fn main() -> Result<()> {
         sim_rt,
         args,
     };
-    let mut reports = Vec::new();
     let contenders = contenders(&bench.args);
+    let mut ran = Vec::new();
     for rep in 1..=bench.args.reps.max(1) {
-        for contender in &contenders {
+        // A drift of the machine (a build beside it, the page cache) must
+        // not favour whoever runs first or last: each rep takes the
+        // contenders in its own random order, seeded by the rep.
+        let mut order: Vec<usize> = (0..contenders.len()).collect();
+        order.shuffle(&mut StdRng::seed_from_u64(rep as u64));
+        let names: Vec<&str> = order.iter().map(|&i| contenders[i].name).collect();
+        eprintln!("[peers] rep {rep} runs {}", names.join(", "));
+        for i in order {
+            let contender = &contenders[i];
             eprintln!("[peers] rep {rep}: {}: {}", contender.name, contender.what);
-            reports.push(bench.run_contender(contender, rep));
+            ran.push((rep, i, bench.run_contender(contender, rep)));
         }
     }
+    // The tables list the contenders in their declared order.
+    ran.sort_by_key(|&(rep, i, _)| (rep, i));
+    let reports: Vec<Report> = ran.into_iter().map(|(_, _, r)| r).collect();
     drop(cluster);
     // The closed-loop tables and the summary are of the first rep.
     let first_rep = &reports[..contenders.len()];
