@@ -40,6 +40,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use kinference_runtime::AbortOnDrop;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
@@ -792,7 +793,7 @@ pub fn spawn_scraper_with_stats(
                     name.to_string(),
                     Worker {
                         endpoint: Arc::clone(ep),
-                        _task: AbortOnDrop(task),
+                        _task: AbortOnDrop::new(task),
                     },
                 );
             }
@@ -806,16 +807,8 @@ pub fn spawn_scraper_with_stats(
 
 struct Worker {
     endpoint: Arc<Endpoint>,
-    _task: AbortOnDrop,
-}
-
-/// Aborts the task when dropped, so a removed endpoint stops being scraped.
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    /// Aborted when dropped: a removed endpoint stops being scraped.
+    _task: AbortOnDrop<()>,
 }
 
 /// The HTTP client shared by all scrape tasks: plain HTTP/1.1 with
