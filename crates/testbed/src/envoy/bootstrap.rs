@@ -50,6 +50,10 @@ pub struct Bootstrap {
     /// More EPP replicas beside `epp`: Envoy spreads the ext_proc streams
     /// over all of them, round robin, as over an EPP Service's Pods.
     pub epp_replicas: Vec<SocketAddr>,
+    /// Route a request on without the EPP when its ext_proc stream fails
+    /// (`failure_mode_allow`): what a gateway does for an InferencePool
+    /// with `failureMode: FailOpen`.
+    pub fail_open: bool,
     /// Talk TLS to the EPP (its default), without verifying its certificate,
     /// as the reference configurations do.
     pub epp_tls: bool,
@@ -99,6 +103,7 @@ impl Bootstrap {
             template,
             epp,
             epp_replicas: Vec::new(),
+            fail_open: false,
             epp_tls: true,
             epp_client_cert: None,
             pool: Vec::new(),
@@ -125,6 +130,7 @@ impl Bootstrap {
             ("ACCESS_LOG_FORMAT", ACCESS_LOG_FORMAT.into()),
             ("EPP_ADDRESS", self.epp.ip().to_string()),
             ("EPP_PORT", self.epp.port().to_string()),
+            ("FAILURE_MODE_ALLOW", self.fail_open.to_string()),
             (
                 "RESPONSE_HEADER_MODE",
                 self.response_header_mode
