@@ -206,6 +206,10 @@ impl FlowControl {
     /// that stays is not asked again in this pass. Returns how many left.
     async fn pass(&self) -> usize {
         let mut asked = std::collections::HashSet::new();
+        // Rules whose request stayed: room that comes for one of them in
+        // this pass is a higher request's, so their others wait for the
+        // next pass (which that room's wake-up starts).
+        let mut full: std::collections::HashSet<String> = std::collections::HashSet::new();
         let mut left = 0;
         for _ in 0..TURNS_PER_PASS {
             let next = {
@@ -213,10 +217,16 @@ impl FlowControl {
                 queue
                     .heads()
                     .into_iter()
-                    .find(|id| !asked.contains(id))
-                    .and_then(|id| Some((id, queue.payload(id)?.signals.clone())))
+                    .filter(|id| !asked.contains(id))
+                    .find(|id| queue.rule_of(*id).is_some_and(|r| !full.contains(r)))
+                    .and_then(|id| {
+                        let rule = queue.rule_of(id)?.to_string();
+                        Some((id, rule, queue.payload(id)?.signals.clone()))
+                    })
             };
-            let Some((id, signals)) = next else { break };
+            let Some((id, rule, signals)) = next else {
+                break;
+            };
             asked.insert(id);
             let (reply, answer) = oneshot::channel();
             if signals.send(Signal::Turn(reply)).is_err() {
@@ -225,7 +235,10 @@ impl FlowControl {
             match tokio::time::timeout(TURN_LIMIT, answer).await {
                 Ok(Ok(true)) => left += 1,
                 // Stays: its flow lets the band's others go first next time.
-                _ => self.queue().passed_over(id),
+                _ => {
+                    self.queue().passed_over(id);
+                    full.insert(rule);
+                }
             }
         }
         left
@@ -441,6 +454,34 @@ mod tests {
         high.dispatched();
         take_turn(&mut low, false).await;
         assert_eq!(flow.waiting(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn once_a_rules_request_stays_its_lower_ones_wait_for_the_next_pass_and_other_rules_go_on()
+     {
+        let metrics = Metrics::default();
+        let flow = FlowControl::new(&metrics);
+        let five = Duration::from_secs(5);
+        let mut high = flow.enter(place(9, "a"), five, ROOMY).ok().unwrap();
+        let mut low = flow.enter(place(0, "a"), five, ROOMY).ok().unwrap();
+        let other = Place {
+            rule: "other".into(),
+            ..place(0, "b")
+        };
+        let mut elsewhere = flow.enter(other, five, ROOMY).ok().unwrap();
+        take_turn(&mut high, false).await;
+        // The same rule's lower request is skipped in this pass; another
+        // rule's is asked.
+        take_turn(&mut elsewhere, false).await;
+        let skipped = tokio::time::timeout(Duration::from_millis(5), low.next()).await;
+        assert!(
+            skipped.is_err(),
+            "the low request of the full rule was asked"
+        );
+        // The next pass asks the high one first again.
+        take_turn(&mut high, true).await;
+        high.dispatched();
+        take_turn(&mut low, false).await;
     }
 
     #[tokio::test(start_paused = true)]
