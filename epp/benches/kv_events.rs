@@ -154,7 +154,7 @@ fn benches(c: &mut Criterion) {
         alone
             .iter()
             .map(|(p, own)| {
-                let (slots, _) = p.kv.pool_slots(now).unwrap();
+                let slots = p.kv.pool_slots(now).unwrap().slots;
                 own.leading_blocks(chain, &slots)
                     .iter()
                     .map(|(_, n)| *n)
@@ -168,7 +168,7 @@ fn benches(c: &mut Criterion) {
     let mut by_pod = walk_each(&chain);
     let slots: Vec<u32> = pods
         .iter()
-        .flat_map(|p| p.kv.pool_slots(now).unwrap().0)
+        .flat_map(|p| p.kv.pool_slots(now).unwrap().slots)
         .collect();
     let mut by_pool: Vec<usize> = pool
         .leading_blocks(&chain, &slots)
@@ -183,7 +183,7 @@ fn benches(c: &mut Criterion) {
             let slots: Vec<u32> = pods
                 .iter()
                 .filter_map(|p| p.kv.pool_slots(now))
-                .flat_map(|(s, _)| s)
+                .flat_map(|p| p.slots)
                 .collect();
             let total: usize = pool
                 .leading_blocks(black_box(&chain), &slots)

@@ -148,7 +148,7 @@ impl Default for Metrics {
         );
         r.register(
             "kv_events_index",
-            "Precise prefix mode: 1 for each endpoint's KV-event index state (live: used; empty: nothing published yet; stale: events lost and not replayed; silent: nothing published for 10 s since it was sent a request). In every state but live the endpoint's cached prefix is estimated",
+            "Precise prefix mode: 1 for each endpoint's KV-event index state (live: used; partial: joined after the engine's first batch without a replay, used with the estimate; empty: nothing published yet; stale: events lost and not replayed; silent: nothing published for 10 s since it was sent a request). In empty, stale and silent the endpoint's cached prefix is estimated",
             kv_index.clone(),
         );
         r.register(

@@ -227,8 +227,7 @@ impl Setup {
         setup
     }
 
-    /// Publishes empty batches until one arrives: a PUB socket drops what
-    /// it publishes before its connection is up.
+    /// Connects a publisher whose engine holds nothing yet.
     async fn wait_connected(&mut self) {
         connect(&mut self.publisher, &self.stats).await;
     }
@@ -248,7 +247,7 @@ impl Setup {
         self.publisher.store(5, 1).await;
         self.link.restore().await;
         // The queued batches arrive; the next one shows the gap.
-        self.wait_connected().await;
+        reach(&mut self.publisher, &self.stats).await;
         let before = self.stats.messages.get();
         self.publisher.publish(json!({})).await;
         eventually("the batch after the gap", || {
@@ -448,6 +447,10 @@ struct Replica {
 
 impl Replica {
     fn dialing(port: u16, ranks: u16) -> Replica {
+        Replica::dialing_with(port, ranks, None)
+    }
+
+    fn dialing_with(port: u16, ranks: u16, replay: Option<Replay>) -> Replica {
         let (registry, state) = one_pod();
         let stats = Arc::new(EventStats::default());
         tokio::spawn(subscriber::serve(
@@ -455,7 +458,7 @@ impl Replica {
             Arc::clone(&registry),
             Arc::clone(&stats),
             Limits::default(),
-            None,
+            replay,
         ));
         Replica {
             registry,
@@ -490,9 +493,20 @@ async fn consecutive_events_ports(n: u16) -> (u16, Vec<TcpListener>) {
     panic!("no {n} consecutive free ports");
 }
 
+/// Connects a publisher whose engine holds nothing yet. Its first batches
+/// may be lost while the connection comes up, so the first to arrive reads
+/// as an engine that published before the EPP subscribed; it then says its
+/// cache is clear, which is true here.
+async fn connect(publisher: &mut Publisher, stats: &EventStats) {
+    reach(publisher, stats).await;
+    let before = stats.messages.get();
+    publisher.publish(json!({"cleared": true})).await;
+    eventually("the cleared cache", || stats.messages.get() > before).await;
+}
+
 /// Publishes empty batches until one arrives (a PUB socket drops what it
 /// publishes before its connection is up).
-async fn connect(publisher: &mut Publisher, stats: &EventStats) {
+async fn reach(publisher: &mut Publisher, stats: &EventStats) {
     let before = stats.messages.get();
     let deadline = Instant::now() + WAIT;
     while stats.messages.get() == before {
@@ -564,4 +578,90 @@ async fn a_pod_whose_publisher_stopped_is_estimated_until_a_new_one_publishes() 
     assert!(s.state.kv.pool_slots(Instant::now()).is_some());
     assert_eq!(exported_state(&metrics, &s.registry), "live");
     s.publisher.stop().await;
+}
+
+/// A replica that starts while vLLM has been publishing for a while (a
+/// new replica, or one restarted by a rollout): its first batch reads as a
+/// gap from the engine's first one. With vLLM's replay socket it is
+/// filled, and the new replica's index is the others' at once; without
+/// one the index is partial (exported as such) and matches only what was
+/// stored since, so the picker takes the longer of it and the estimate.
+#[tokio::test]
+async fn a_replica_that_joins_late_replays_what_vllm_published_before() {
+    let (port, listeners) = consecutive_events_ports(1).await;
+    drop(listeners); // the publisher binds it
+    let replay_port = free_port();
+    let replay = format!("tcp://*:{replay_port}");
+    let endpoint = format!("tcp://*:{port}");
+    let mut publisher = Publisher::spawn(&endpoint, TOPIC, &["--replay", &replay]).await;
+    let first = Replica::dialing(port, 1);
+    eventually("subscribed", || first.stats.subscriptions.get() == 1).await;
+    connect(&mut publisher, &first.stats).await;
+    for block in 1..=40 {
+        publisher.store(block, 1).await;
+    }
+    eventually("40 blocks", || first.state.kv.len() == 40).await;
+    assert_eq!(first.state.kv.freshness(), Freshness::Live);
+
+    let metrics = Metrics::default();
+    metrics.export_kv_index_states();
+    let started = Instant::now();
+    let timeout = Duration::from_secs(10);
+    let late = Replica::dialing_with(
+        port,
+        1,
+        Some(Replay {
+            port: replay_port,
+            timeout,
+        }),
+    );
+    let unreplayed = Replica::dialing(port, 1);
+    for replica in [&late, &unreplayed] {
+        eventually("subscribed", || replica.stats.subscriptions.get() == 1).await;
+        reach(&mut publisher, &replica.stats).await;
+    }
+    eventually("the late replica caught up", || late.state.kv.len() == 40).await;
+    let caught_up = started.elapsed();
+    assert_eq!(late.state.kv.freshness(), Freshness::Live);
+    assert!(
+        late.stats.replayed.get() >= 40,
+        "{}",
+        late.stats.replayed.get()
+    );
+    assert_eq!(late.stats.gaps.get(), 0);
+    assert_eq!(exported_state(&metrics, &late.registry), "live");
+    eprintln!("a late replica's index was whole {caught_up:?} after it started (vLLM's replay)");
+
+    assert_eq!(unreplayed.state.kv.freshness(), Freshness::Partial);
+    assert_eq!(
+        unreplayed.state.kv.len(),
+        0,
+        "nothing stored since it joined"
+    );
+    assert_eq!(exported_state(&metrics, &unreplayed.registry), "partial");
+    // A block stored now extends a chain it never heard the start of.
+    publisher.store(41, 1).await;
+    eventually("block 41 everywhere", || {
+        [&first, &late, &unreplayed]
+            .iter()
+            .all(|r| !r.state.kv.is_empty())
+            && first.state.kv.len() == 41
+            && late.state.kv.len() == 41
+    })
+    .await;
+    assert_eq!(unreplayed.state.kv.len(), 1);
+    let slots = unreplayed.state.kv.pool_slots(Instant::now());
+    assert!(
+        slots.is_some_and(|s| s.partial),
+        "matched, as a lower bound"
+    );
+    assert_eq!(unreplayed.stats.gaps.get(), 0, "partial is not a gap");
+    assert_eq!(unreplayed.state.kv.freshness(), Freshness::Partial);
+    // A cleared cache holds nothing stored before it joined.
+    publisher.publish(json!({"cleared": true})).await;
+    eventually("live once cleared", || {
+        unreplayed.state.kv.freshness() == Freshness::Live
+    })
+    .await;
+    publisher.stop().await;
 }

@@ -179,7 +179,7 @@ impl Pool {
     /// Leading blocks of `chain` Pod `i`'s engines hold, as the picker sees
     /// them in the pool's index; `None` while its index is not usable.
     fn cached_blocks(&self, i: usize, chain: &[u64]) -> Option<usize> {
-        let (slots, _) = self.state(i).kv.pool_slots(Instant::now())?;
+        let slots = self.state(i).kv.pool_slots(Instant::now())?.slots;
         let held = self.epp.registry().kv_pool().leading_blocks(chain, &slots);
         held.into_iter().map(|(_, blocks)| blocks).max()
     }

@@ -36,6 +36,12 @@ pub const DEFAULT_CAPACITY: usize = 65_536;
 /// (`--max-loras`, `--max-cpu-loras`).
 const MAX_ADAPTERS: usize = 256;
 
+/// The highest sequence number an engine's first batch can have: vLLM
+/// numbers from 0, llm-d-inference-sim from 1. An engine first heard at a
+/// later one published before this index subscribed (a new EPP replica, or
+/// one restarted while its engines kept running).
+const FIRST_SEQ: u64 = 1;
+
 /// The parent llm-d-inference-sim gives a sequence's first block.
 const NO_PARENT: EngineBlock = EngineBlock(0);
 
@@ -99,6 +105,9 @@ pub struct Applied {
     pub cleared: bool,
     /// This batch followed a sequence gap and left a live index stale.
     pub became_stale: bool,
+    /// This batch was the first heard of an engine that had published
+    /// before, and the earlier ones were not replayed.
+    pub joined_late: bool,
 }
 
 /// One engine (one data-parallel rank of a Pod), with its own event
@@ -116,6 +125,11 @@ struct Engine {
     /// Batches were lost (a gap with no replay): what `held` says may be
     /// wrong until the engine clears its cache.
     stale: bool,
+    /// The index joined after the engine's first batch and could not
+    /// replay the earlier ones: `held` is right but incomplete (it lacks
+    /// what was stored before, such as a hot prefix hit ever since) until
+    /// the engine clears its cache.
+    partial: bool,
     /// The pool's index `held` is mirrored into, and this engine's slot.
     pool: Arc<PoolIndex>,
     slot: u32,
@@ -139,6 +153,7 @@ impl Engine {
             block_size: None,
             next_seq: seq,
             stale: false,
+            partial: seq > FIRST_SEQ,
             pool: Arc::clone(pool),
             slot: pool.take_slot(),
         }
@@ -250,8 +265,11 @@ impl Engine {
 pub enum Freshness {
     /// No event yet.
     Empty,
-    /// Every event since the first one seen was applied.
+    /// Every event since the engine's first was applied.
     Live,
+    /// Every event since the index joined was applied, but the engine
+    /// published before that: the blocks it stored earlier are missing.
+    Partial,
     /// Events were lost (a sequence gap with no replay): what the index
     /// holds may be wrong until the engine clears its cache.
     Stale,
@@ -263,6 +281,10 @@ pub enum Freshness {
 pub enum IndexUse {
     /// Used.
     Live,
+    /// Used with the estimate: a Pod's cached prefix is the longer of the
+    /// two, since each knows blocks the other does not (the index joined
+    /// late, [`Freshness::Partial`]).
+    Partial,
     /// Nothing published yet.
     Empty,
     /// Events were lost and not replayed.
@@ -276,6 +298,7 @@ impl IndexUse {
     pub fn as_str(self) -> &'static str {
         match self {
             IndexUse::Live => "live",
+            IndexUse::Partial => "partial",
             IndexUse::Empty => "empty",
             IndexUse::Stale => "stale",
             IndexUse::Silent => "silent",
@@ -300,20 +323,22 @@ impl Inner {
             Freshness::Empty
         } else if self.engines.values().any(|e| e.stale) {
             Freshness::Stale
+        } else if self.engines.values().any(|e| e.partial) {
+            Freshness::Partial
         } else {
             Freshness::Live
         }
     }
 
     fn usable(&self, now: Instant) -> bool {
-        self.usage(now) == IndexUse::Live
+        matches!(self.usage(now), IndexUse::Live | IndexUse::Partial)
     }
 
     fn usage(&self, now: Instant) -> IndexUse {
         match self.freshness() {
             Freshness::Empty => IndexUse::Empty,
             Freshness::Stale => IndexUse::Stale,
-            Freshness::Live
+            Freshness::Live | Freshness::Partial
                 if self
                     .awaiting_since
                     .is_some_and(|t| now.saturating_duration_since(t) >= SILENCE) =>
@@ -321,8 +346,20 @@ impl Inner {
                 IndexUse::Silent
             }
             Freshness::Live => IndexUse::Live,
+            Freshness::Partial => IndexUse::Partial,
         }
     }
+}
+
+/// A usable index's engines in its pool's index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodSlots {
+    pub slots: Vec<u32>,
+    /// The tokens per block the engines publish in.
+    pub block_size: u32,
+    /// The index joined late ([`Freshness::Partial`]): it lacks blocks
+    /// stored before, so a match is a lower bound.
+    pub partial: bool,
 }
 
 /// What one Pod's engines hold. Their blocks are shown in a pool's index,
@@ -373,10 +410,11 @@ impl PodKvIndex {
             // Dropping the old engine takes its blocks out of the pool.
             inner.engines.remove(&rank);
         }
-        let engine = inner
-            .engines
-            .entry(rank)
-            .or_insert_with(|| Engine::new(&self.pool, seq));
+        let engine = inner.engines.entry(rank).or_insert_with(|| {
+            let engine = Engine::new(&self.pool, seq);
+            applied.joined_late = engine.partial;
+            engine
+        });
         engine.stale |= seq > engine.next_seq;
         engine.next_seq = seq.wrapping_add(1);
         let mut adapters = Vec::new();
@@ -395,6 +433,7 @@ impl PodKvIndex {
                     // A cleared cache holds nothing we could have missed.
                     engine.clear();
                     engine.stale = false;
+                    engine.partial = false;
                     applied.cleared = true;
                 }
             }
@@ -423,11 +462,17 @@ impl PodKvIndex {
     }
 
     /// Where the batches a gap lost begin, if batch `seq` of `rank` would
-    /// follow one: the sequence number the engine's next batch should have.
+    /// follow one: the sequence number the engine's next batch should have;
+    /// or the engine's first, when `seq` is the first heard of it (or of
+    /// its restarted publisher) and the engine published before.
     pub fn missed_from(&self, rank: Option<u32>, seq: u64) -> Option<u64> {
         let inner = lock(&self.inner);
-        let next = inner.engines.get(&rank)?.next_seq;
-        (seq > next).then_some(next)
+        match inner.engines.get(&rank) {
+            Some(engine) if seq >= engine.next_seq => {
+                (seq > engine.next_seq).then_some(engine.next_seq)
+            }
+            _ => (seq > FIRST_SEQ).then_some(0),
+        }
     }
 
     /// A request was routed to the Pod at `now`: its engine should publish
@@ -446,11 +491,11 @@ impl PodKvIndex {
         }
     }
 
-    /// When the index can be trusted at `now` (live, and not silent for
-    /// [`SILENCE`] since a request was routed to the Pod; silence is not
-    /// sticky): its engines' slots in the pool, and the block size they
-    /// publish in (engines of another size are left out).
-    pub fn pool_slots(&self, now: Instant) -> Option<(Vec<u32>, u32)> {
+    /// When the index can be used at `now` (live or partial, and not
+    /// silent for [`SILENCE`] since a request was routed to the Pod;
+    /// silence is not sticky): its engines' slots in the pool, and the
+    /// block size they publish in (engines of another size are left out).
+    pub fn pool_slots(&self, now: Instant) -> Option<PodSlots> {
         let inner = lock(&self.inner);
         if !inner.usable(now) {
             return None;
@@ -462,7 +507,11 @@ impl PodKvIndex {
             .filter(|e| e.block_size == Some(block_size))
             .map(|e| e.slot)
             .collect();
-        Some((slots, block_size))
+        Some(PodSlots {
+            slots,
+            block_size,
+            partial: inner.freshness() == Freshness::Partial,
+        })
     }
 
     /// Blocks remembered, all engines together.
@@ -608,7 +657,11 @@ mod tests {
 
     /// The chain of a prompt of tokens `0..n`, as the pool sees it.
     fn pool_match(pool: &PoolIndex, ix: &PodKvIndex, n: u32) -> Option<usize> {
-        let (slots, bs) = ix.pool_slots(Instant::now())?;
+        let PodSlots {
+            slots,
+            block_size: bs,
+            ..
+        } = ix.pool_slots(Instant::now())?;
         assert_eq!(bs, BS);
         pool.leading_blocks(&prompt(n), &slots)
             .into_iter()
@@ -635,7 +688,7 @@ mod tests {
         // A restarted publisher: the old engine and its bits are gone.
         ix.apply(0, &batch(vec![stored(&[20], None, 0)]));
         assert_eq!(pool_match(&pool, &ix, 20), Some(1));
-        let (slots, _) = ix.pool_slots(Instant::now()).unwrap();
+        let slots = ix.pool_slots(Instant::now()).unwrap().slots;
         drop(ix);
         assert_eq!(
             pool.leading_blocks(&prompt(20), &slots),
@@ -655,7 +708,7 @@ mod tests {
         };
         ix.apply(0, &ranked(0, vec![stored(&[10], None, 0)]));
         ix.apply(1, &ranked(1, vec![stored(&[20, 21], None, 0)]));
-        let (slots, _) = ix.pool_slots(Instant::now()).unwrap();
+        let slots = ix.pool_slots(Instant::now()).unwrap().slots;
         assert_eq!(slots.len(), 2);
         assert_eq!(pool_match(&pool, &ix, 20), Some(2), "the best rank");
     }
@@ -698,22 +751,83 @@ mod tests {
     #[test]
     fn a_sequence_gap_marks_stale_and_a_restart_starts_over() {
         let ix = PodKvIndex::default();
-        ix.apply(7, &batch(vec![stored(&[10], None, 0)]));
-        ix.apply(8, &batch(vec![]));
+        ix.apply(0, &batch(vec![stored(&[10], None, 0)]));
+        ix.apply(1, &batch(vec![]));
         assert_eq!(ix.freshness(), Freshness::Live);
-        assert_eq!(ix.missed_from(None, 10), Some(9));
-        assert_eq!(ix.missed_from(None, 9), None, "the next one");
-        assert_eq!(ix.missed_from(Some(1), 10), None, "no such rank");
-        assert!(ix.apply(10, &batch(vec![])).became_stale);
+        assert_eq!(ix.missed_from(None, 3), Some(2));
+        assert_eq!(ix.missed_from(None, 2), None, "the next one");
+        assert!(ix.apply(3, &batch(vec![])).became_stale);
         assert_eq!(ix.freshness(), Freshness::Stale);
-        assert!(!ix.apply(12, &batch(vec![])).became_stale, "already stale");
+        assert!(!ix.apply(5, &batch(vec![])).became_stale, "already stale");
         // The publisher restarted (sequence back to 0): its cache is new.
+        assert_eq!(ix.missed_from(None, 0), None);
+        assert_eq!(ix.missed_from(None, 2), Some(0), "its first batches lost");
         ix.apply(0, &batch(vec![stored(&[30], None, 100)]));
         assert_eq!(ix.freshness(), Freshness::Live);
         assert_eq!(cached(&ix, &prompt(4)), 0);
         // And its sequence goes on from there without a gap.
         assert!(!ix.apply(1, &batch(vec![])).became_stale);
         assert_eq!(ix.freshness(), Freshness::Live);
+    }
+
+    #[test]
+    fn an_engine_heard_from_its_first_batch_is_live() {
+        // vLLM numbers batches from 0, llm-d-inference-sim from 1.
+        for first in [0, 1] {
+            let ix = PodKvIndex::default();
+            assert_eq!(ix.missed_from(None, first), None);
+            ix.apply(first, &batch(vec![stored(&[10], None, 0)]));
+            assert_eq!(ix.freshness(), Freshness::Live, "first batch {first}");
+        }
+    }
+
+    #[test]
+    fn an_engine_first_heard_later_is_partial_until_its_cache_is_cleared() {
+        let ix = PodKvIndex::default();
+        assert_eq!(
+            ix.missed_from(None, 40),
+            Some(0),
+            "what it published before: from its first batch"
+        );
+        assert_eq!(ix.missed_from(Some(1), 40), Some(0), "per rank");
+        ix.apply(40, &batch(vec![stored(&[10], None, 0)]));
+        assert_eq!(ix.freshness(), Freshness::Partial);
+        assert_eq!(ix.usage(Instant::now()), IndexUse::Partial);
+        let slots = ix
+            .pool_slots(Instant::now())
+            .expect("a partial index is used");
+        assert!(slots.partial);
+        assert_eq!(cached(&ix, &prompt(8)), 1, "what it heard is matched");
+        ix.apply(41, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Partial, "still lacks 0..40");
+        // A gap on top is worse: what it holds may be wrong.
+        ix.apply(43, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Stale);
+        // A cleared cache holds nothing stored before the index joined.
+        ix.apply(44, &batch(vec![KvEvent::AllCleared]));
+        assert_eq!(ix.freshness(), Freshness::Live);
+        assert!(!ix.pool_slots(Instant::now()).is_some_and(|s| s.partial));
+    }
+
+    #[test]
+    fn a_late_index_that_replays_from_the_first_batch_is_live() {
+        let ix = PodKvIndex::default();
+        // The subscriber applies the replayed batches before the one that
+        // revealed them.
+        let from = ix.missed_from(None, 3).unwrap();
+        for seq in from..3 {
+            ix.apply(
+                seq,
+                &batch(vec![stored(
+                    &[10 + seq],
+                    (seq > 0).then(|| 9 + seq),
+                    4 * seq as u32,
+                )]),
+            );
+        }
+        ix.apply(3, &batch(vec![]));
+        assert_eq!(ix.freshness(), Freshness::Live);
+        assert_eq!(cached(&ix, &prompt(12)), 3);
     }
 
     #[test]

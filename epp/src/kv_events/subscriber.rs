@@ -10,7 +10,10 @@
 //! With a replay port, a batch that follows a sequence gap waits while the
 //! task asks the engine's replay endpoint for the lost batches and applies
 //! them first, at most [`Replay::timeout`]; a gap it cannot fill marks the
-//! Pod stale, as without replay.
+//! Pod stale, as without replay. The first batch heard of an engine that
+//! published before (this EPP started after it) is such a gap from the
+//! engine's first batch: replayed, the index is whole; otherwise it is
+//! partial (see [`super::Freshness::Partial`]).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -371,6 +374,9 @@ async fn fetch(
 fn apply(message: &Message, states: &[Arc<DestinationState>], stats: &EventStats) {
     for state in states {
         let applied = state.kv.apply(message.seq, &message.batch);
+        if applied.joined_late {
+            tracing::info!(topic = %message.topic, seq = message.seq, "KV events joined after the engine's first batch, without a replay: the Pod's cached prefixes are the longer of the index's and the estimate's until its cache is cleared");
+        }
         if applied.became_stale {
             stats.gaps.inc_by(1);
             tracing::warn!(topic = %message.topic, seq = message.seq, "KV events lost (sequence gap): the Pod's cached prefixes are estimated until its cache is cleared");

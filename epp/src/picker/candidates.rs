@@ -15,6 +15,7 @@ use std::sync::Arc;
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::endpoints::EndpointView;
 use crate::kv_events::PodKvIndex;
+use crate::kv_events::index::PodSlots;
 use crate::kv_events::pool::PoolIndex;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
@@ -121,21 +122,21 @@ impl CandidateSet {
             let ep = &view.endpoint;
             let state = &view.state;
             let (cached, source, block_size) = match precise.get(i).copied().flatten() {
-                Some((tokens, bs)) => {
-                    let events = units.of_events(tokens);
+                Some(matched) => {
                     // A prompt sent here moments ago is cached before the
-                    // Pod's events say so; counted from this EPP's routes
-                    // (the estimate) until they do.
+                    // Pod's events say so: counted from this EPP's routes.
                     let routed = units.of_estimate(state.routed.cached_blocks(hashes, now));
-                    let cached = events.max(routed);
-                    // Within a block the two agree, rounded differently: the
-                    // answer still checks the events. Beyond it the route
-                    // memory knows what the events do not yet say.
-                    if routed >= events + f64::from(bs) {
-                        (cached, PrefixSource::Estimate, None)
-                    } else {
-                        (cached, PrefixSource::Events, Some(bs))
-                    }
+                    // A late index lacks what was stored before it joined;
+                    // what this EPP routed there since may still be cached.
+                    let estimate = matched
+                        .partial
+                        .then(|| units.of_estimate(state.prefix.cached_blocks(hashes)));
+                    let events = units.of_events(matched.tokens);
+                    events_or_routes(
+                        events,
+                        routed.max(estimate.unwrap_or(0.0)),
+                        matched.block_size,
+                    )
                 }
                 None => {
                     let blocks = state.prefix.cached_blocks(hashes);
@@ -656,21 +657,45 @@ impl PromptUnits {
     }
 }
 
-/// Per Pod of `indexes`, the prompt's leading tokens its engines hold and
-/// the block size they count in, from their KV events: `None` where its
-/// index is not usable at `now` (no events yet, events lost, or silent
-/// since it was sent a request), so the estimate is used. One walk of the
-/// pool's index per block size, not one per Pod.
+/// A Pod's cached prefix in precise mode, from its `events` and what this
+/// EPP's `routes` say it holds: the longer, and where it comes from. Within
+/// a block the two agree, rounded differently, and the answer still checks
+/// the events; beyond it the routes know what the events do not say (yet,
+/// or ever for a late index).
+fn events_or_routes(events: f64, routes: f64, block_size: u32) -> (f64, PrefixSource, Option<u32>) {
+    let cached = events.max(routes);
+    if routes >= events + f64::from(block_size) {
+        (cached, PrefixSource::Estimate, None)
+    } else {
+        (cached, PrefixSource::Events, Some(block_size))
+    }
+}
+
+/// A prompt's leading tokens a Pod's engines hold, from their KV events.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct EventsMatch {
+    tokens: usize,
+    /// The block size the engines count in.
+    block_size: u32,
+    /// The index joined late: a lower bound, to be taken with the estimate.
+    partial: bool,
+}
+
+/// Per Pod of `indexes`, the prompt's leading tokens its engines hold, from
+/// their KV events: `None` where its index is not usable at `now` (no
+/// events yet, events lost, or silent since it was sent a request), so the
+/// estimate is used. One walk of the pool's index per block size, not one
+/// per Pod.
 fn precise_cached_tokens(
     pool: &PoolIndex,
     indexes: &[&PodKvIndex],
     tokens: &PromptTokens,
     adapter: Option<&str>,
     now: Instant,
-) -> Vec<Option<(usize, u32)>> {
-    let slots: Vec<Option<(Vec<u32>, u32)>> = indexes.iter().map(|kv| kv.pool_slots(now)).collect();
+) -> Vec<Option<EventsMatch>> {
+    let slots: Vec<Option<PodSlots>> = indexes.iter().map(|kv| kv.pool_slots(now)).collect();
     let mut out = vec![None; indexes.len()];
-    let mut sizes: Vec<u32> = slots.iter().flatten().map(|(_, bs)| *bs).collect();
+    let mut sizes: Vec<u32> = slots.iter().flatten().map(|p| p.block_size).collect();
     sizes.sort_unstable();
     sizes.dedup();
     for bs in sizes {
@@ -678,18 +703,24 @@ fn precise_cached_tokens(
             slots
                 .iter()
                 .enumerate()
-                .filter_map(move |(i, s)| s.as_ref().filter(|(_, b)| *b == bs).map(|(s, _)| (i, s)))
+                .filter_map(move |(i, s)| s.as_ref().filter(|p| p.block_size == bs).map(|p| (i, p)))
         };
-        let all: Vec<u32> = of_size().flat_map(|(_, s)| s.iter().copied()).collect();
+        let all: Vec<u32> = of_size()
+            .flat_map(|(_, p)| p.slots.iter().copied())
+            .collect();
         let held: HashMap<u32, usize> = pool
             .leading_blocks(&tokens.chain(bs, adapter), &all)
             .into_iter()
             .collect();
-        for (i, engines) in of_size() {
+        for (i, pod) in of_size() {
             // The best of the Pod's engines: its server may give the
             // request to any of its ranks.
-            let blocks = engines.iter().filter_map(|s| held.get(s)).max();
-            out[i] = Some((blocks.copied().unwrap_or(0) * bs as usize, bs));
+            let blocks = pod.slots.iter().filter_map(|s| held.get(s)).max();
+            out[i] = Some(EventsMatch {
+                tokens: blocks.copied().unwrap_or(0) * bs as usize,
+                block_size: bs,
+                partial: pod.partial,
+            });
         }
     }
     out
@@ -757,7 +788,10 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, in_subset, lora_adapter};
+    use super::{
+        CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, events_or_routes, in_subset,
+        lora_adapter,
+    };
     use crate::predict::TtftFeatures;
     use kinference_policy::eval::{Candidate, PrefixSource};
 
@@ -809,6 +843,16 @@ mod tests {
             state,
             metrics: Some(metrics),
         }
+    }
+
+    #[test]
+    fn the_events_count_unless_the_routes_know_a_block_more() {
+        let events = PrefixSource::Events;
+        assert_eq!(events_or_routes(64.0, 0.0, 16), (64.0, events, Some(16)));
+        assert_eq!(events_or_routes(64.0, 70.0, 16), (70.0, events, Some(16)));
+        let routes = PrefixSource::Estimate;
+        assert_eq!(events_or_routes(64.0, 80.0, 16), (80.0, routes, None));
+        assert_eq!(events_or_routes(0.0, 512.0, 16), (512.0, routes, None));
     }
 
     #[test]
