@@ -31,9 +31,9 @@ log() { printf '[peers] %s\n' "$*" >&2; }
 
 last_line() { tail -n 1; }
 
-# smoke (CI): the two peer EPPs; full: everything, the peer simulator and
-# inference-perf included.
-if [[ "${mode}" == smoke ]]; then peers=(gie-epp llmd-epp); else peers=(all); fi
+# smoke (CI): the two peer EPPs; full: everything, the peer simulator,
+# inference-perf and vLLM's publisher (precise mode with bound publishers) included.
+if [[ "${mode}" == smoke ]]; then peers=(gie-epp llmd-epp); else peers=(gie-epp llmd-epp llmd-sim inference-perf vllm-publisher); fi
 log "peers: bench/peers/install.sh ${peers[*]}"
 peers_dir="$(bash bench/peers/install.sh "${peers[@]}" | last_line)"
 log "kube-apiserver and etcd: e2e/tools/install-k8s.sh"

@@ -250,12 +250,46 @@ struct Contender {
     route: Route,
     /// Policy (ours) or EndpointPickerConfig (peers) text; `None`: its default.
     config: Option<String>,
-    /// Our EPP in precise prefix mode, with this tokenizer.
-    kv_events: Option<EventsTokenizer>,
+    /// Our EPP in precise prefix mode.
+    kv_events: Option<KvEvents>,
     /// EPP processes behind the one Envoy, which spreads the ext_proc
     /// streams over them round robin (an EPP Service with several Pods).
     replicas: usize,
     what: &'static str,
+}
+
+/// A contender in precise prefix mode: its tokenizer, and how the
+/// simulators' events reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KvEvents {
+    tokenizer: EventsTokenizer,
+    publishers: Publishers,
+}
+
+/// How the simulators publish their KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Publishers {
+    /// Each connects to the EPP's events port (`publisherMode: Connect`,
+    /// the default): one replica hears them.
+    ToEpp,
+    /// Each simulator's events are published by vLLM's own publisher bound
+    /// at its Pod's address, with its replay socket
+    /// (`epp/tests/fixtures/kv_events/relay.py`), and every EPP replica
+    /// connects to every Pod (`publisherMode: Bind`).
+    VllmBound,
+}
+
+impl KvEvents {
+    const fn new(tokenizer: EventsTokenizer, publishers: Publishers) -> Option<KvEvents> {
+        Some(KvEvents {
+            tokenizer,
+            publishers,
+        })
+    }
+
+    fn tokenizer_is(kv: Option<KvEvents>, tokenizer: EventsTokenizer) -> bool {
+        kv.is_some_and(|k| k.tokenizer == tokenizer)
+    }
 }
 
 /// The tokenizer of a contender in precise prefix mode.
@@ -350,15 +384,39 @@ fn contenders(args: &Args) -> Vec<Contender> {
             name: "kinference-precise",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
-            kv_events: Some(EventsTokenizer::SimulatorDummy),
+            kv_events: KvEvents::new(EventsTokenizer::SimulatorDummy, Publishers::ToEpp),
             replicas: 1,
             what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode (the simulators' KV events, their dummy tokenizer)",
+        },
+        Contender {
+            name: "kinference-precise-bind",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: KvEvents::new(EventsTokenizer::SimulatorDummy, Publishers::VllmBound),
+            replicas: 1,
+            what: "`kinference-precise` with `publisherMode: Bind`: the simulators' events published by vLLM's own publisher at each Pod, with its replay socket",
+        },
+        Contender {
+            name: "kinference-precise-bind-x2",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: KvEvents::new(EventsTokenizer::SimulatorDummy, Publishers::VllmBound),
+            replicas: 2,
+            what: "`kinference-precise-bind`, 2 replicas behind one Envoy (each subscribed to every Pod)",
+        },
+        Contender {
+            name: "kinference-precise-bind-x3",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(TTFT_POLICY.into()),
+            kv_events: KvEvents::new(EventsTokenizer::SimulatorDummy, Publishers::VllmBound),
+            replicas: 3,
+            what: "`kinference-precise-bind`, 3 replicas behind one Envoy (each subscribed to every Pod)",
         },
         Contender {
             name: "kinference-precise-qwen3",
             route: Route::Epp(Peer::Kinference),
             config: Some(TTFT_POLICY.into()),
-            kv_events: Some(EventsTokenizer::Qwen3),
+            kv_events: KvEvents::new(EventsTokenizer::Qwen3, Publishers::ToEpp),
             replicas: 1,
             what: "our EPP, `minimize: PredictedTTFT`, precise prefix mode with Qwen3's tokenizer (closed-loop phases only: what tokenizing adds to the request path; no events match)",
         },
@@ -391,7 +449,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
         .filter(|c| args.only.is_empty() || args.only.iter().any(|o| o == c.name))
         // Our simulator publishes no KV events.
         .filter(|c| {
-            c.kv_events != Some(EventsTokenizer::SimulatorDummy)
+            !KvEvents::tokenizer_is(c.kv_events, EventsTokenizer::SimulatorDummy)
                 || args.simulator == Simulator::Llmd
         })
         .collect()
@@ -403,6 +461,8 @@ struct Binaries {
     gie: Option<PathBuf>,
     llmd: Option<PathBuf>,
     llmd_sim: Option<PathBuf>,
+    /// The Python that runs vLLM's publisher (`Publishers::VllmBound`).
+    vllm_publisher: Option<PathBuf>,
     inference_perf: Option<InferencePerf>,
 }
 
@@ -437,6 +497,7 @@ impl Binaries {
             gie: peer("gie-epp"),
             llmd: peer("llmd-epp"),
             llmd_sim,
+            vllm_publisher: peer("vllm-publisher"),
             inference_perf,
         })
     }
@@ -570,8 +631,71 @@ struct Sims {
     /// of its own): a streamed answer's headers come at admission, as from
     /// vLLM's server, and not with the first token, as from the simulator.
     peers: Vec<(Child, AdmissionFront)>,
+    /// vLLM's publisher in front of each llm-d-inference-sim's events
+    /// (`Publishers::VllmBound`).
+    relays: Vec<Child>,
     addrs: Vec<SocketAddr>,
     port: u16,
+}
+
+/// Where each llm-d-inference-sim sends its KV events.
+enum SimEvents<'a> {
+    Nowhere,
+    /// All to one address: our EPP's events port.
+    To(SocketAddr),
+    /// Each to vLLM's publisher, bound at its Pod's address on these ports
+    /// and run by this Python (`bench/peers/install.sh vllm-publisher`).
+    VllmBound {
+        python: &'a Path,
+        ports: &'a EventsPorts,
+    },
+}
+
+impl SimEvents<'_> {
+    /// Sim `i`'s `--zmq-endpoint` (empty: none), and the relay it needs.
+    async fn endpoint(&self, i: usize) -> Result<(String, Option<Child>)> {
+        match self {
+            SimEvents::Nowhere => Ok((String::new(), None)),
+            SimEvents::To(addr) => Ok((format!("tcp://{addr}"), None)),
+            SimEvents::VllmBound { python, ports } => {
+                let listen = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+                let relay = start_relay(python, listen, pod_ip(i), ports).await?;
+                Ok((format!("tcp://{listen}"), Some(relay)))
+            }
+        }
+    }
+}
+
+/// vLLM's publisher, bound at `ip`, publishing what a simulator sends to
+/// `listen` (`epp/tests/fixtures/kv_events/relay.py`); once it is ready.
+async fn start_relay(
+    python: &Path,
+    listen: SocketAddr,
+    ip: Ipv4Addr,
+    ports: &EventsPorts,
+) -> Result<Child> {
+    use tokio::io::AsyncBufReadExt as _;
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../epp/tests/fixtures/kv_events/relay.py");
+    let mut child = Command::new(python)
+        .arg(script)
+        .args(["--listen", &format!("tcp://{listen}")])
+        .args(["--endpoint", &format!("tcp://{ip}:{}", ports.bound)])
+        .args(["--replay", &format!("tcp://{ip}:{}", ports.replay)])
+        .args(["--topic", &format!("kv@{ip}@{MODEL}")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", python.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
+    ensure!(
+        matches!(&ready, Ok(Ok(Some(l))) if l == "ready"),
+        "vLLM's publisher for {ip} did not start: {ready:?}"
+    );
+    Ok(child)
 }
 
 impl Sims {
@@ -588,6 +712,7 @@ impl Sims {
         Ok(Sims {
             handles,
             peers: Vec::new(),
+            relays: Vec::new(),
             addrs,
             port,
         })
@@ -610,12 +735,15 @@ impl Sims {
         pods: usize,
         port: u16,
         max_model_len: u32,
-        events: Option<SocketAddr>,
+        events: SimEvents<'_>,
     ) -> Result<Sims> {
         let mut peers = Vec::with_capacity(pods);
+        let mut relays = Vec::new();
         let mut addrs = Vec::with_capacity(pods);
         for i in 0..pods {
             let own = free_port()?;
+            let (events, relay) = events.endpoint(i).await?;
+            relays.extend(relay);
             let child = Command::new(bin)
                 .args(["--port", &own.to_string(), "--model", MODEL])
                 .args(["--max-num-seqs", "4"])
@@ -635,8 +763,7 @@ impl Sims {
                     "16",
                 ])
                 .arg("--force-dummy-tokenizer")
-                .arg("--zmq-endpoint")
-                .arg(events.map_or(String::new(), |e| format!("tcp://{e}")))
+                .args(["--zmq-endpoint", &events])
                 .args(["--max-request-body-size-mb", "16", "--seed", &i.to_string()])
                 .env("POD_IP", pod_ip(i).to_string())
                 // Its `x-inference-pod` answer header: who served it.
@@ -659,6 +786,7 @@ impl Sims {
         Ok(Sims {
             handles: Vec::new(),
             peers,
+            relays,
             addrs,
             port,
         })
@@ -671,6 +799,9 @@ impl Sims {
         for (mut child, front) in self.peers {
             let _ = child.kill().await;
             front.stop().await;
+        }
+        for mut relay in self.relays {
+            let _ = relay.kill().await;
         }
     }
 
@@ -725,7 +856,7 @@ fn epp_command(
     config: Option<&Path>,
     kubeconfig: &Path,
     ports: [u16; 3],
-    kv_events: Option<(u16, std::ffi::OsString)>,
+    kv_events: Vec<std::ffi::OsString>,
 ) -> Command {
     let [grpc, health, metrics] = ports.map(|p| p.to_string());
     let mut cmd = Command::new(binary);
@@ -749,11 +880,7 @@ fn epp_command(
             if let Some(log) = std::env::var_os("KINFERENCE_BENCH_DECISION_LOG") {
                 cmd.arg("--decision-log").arg(log);
             }
-            if let Some((port, tokenizer)) = kv_events {
-                cmd.args(["--kv-events-port", &port.to_string()])
-                    .arg("--kv-events-tokenizer")
-                    .arg(tokenizer);
-            }
+            cmd.args(kv_events);
         }
         Peer::Gie | Peer::Llmd => {
             cmd.args(["--pool-name", POOL, "--pool-namespace", NS])
@@ -775,7 +902,7 @@ impl EppProcess {
         config: Option<&str>,
         port: u16,
         kubeconfig: &Path,
-        kv_events: Option<(u16, EventsTokenizer)>,
+        kv_events: Vec<std::ffi::OsString>,
     ) -> Result<EppProcess> {
         let dir = scratch_dir()?;
         let config_path = match config {
@@ -794,9 +921,7 @@ impl EppProcess {
             config_path.as_deref(),
             kubeconfig,
             ports,
-            kv_events
-                .map(|(port, tokenizer)| anyhow::Ok((port, tokenizer.arg()?)))
-                .transpose()?,
+            kv_events,
         )
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -1563,7 +1688,7 @@ struct Bench {
     kubeconfig: PathBuf,
     port: u16,
     /// Where our EPP in precise mode takes the simulators' KV events.
-    events_port: u16,
+    events: EventsPorts,
     bodies: Bodies,
     http: HttpClient,
     load_rt: tokio::runtime::Runtime,
@@ -1598,7 +1723,62 @@ impl Lane {
     }
 }
 
+/// The ports of the simulators' KV events.
+struct EventsPorts {
+    /// Our EPP's events port on 127.0.0.1 (`Publishers::ToEpp`).
+    listen: u16,
+    /// vLLM's publisher's and replay socket's ports on every Pod's address
+    /// (`Publishers::VllmBound`).
+    bound: u16,
+    replay: u16,
+}
+
+impl EventsPorts {
+    fn pick(pods: usize, pool: u16) -> Result<EventsPorts> {
+        let listen = free_port()?;
+        let bound = pool_port(pods)?;
+        let replay = pool_port(pods)?;
+        ensure!(
+            bound != replay && ![bound, replay].contains(&pool),
+            "the events ports {bound} and {replay} are taken; run again"
+        );
+        Ok(EventsPorts {
+            listen,
+            bound,
+            replay,
+        })
+    }
+}
+
 impl Bench {
+    /// Our EPP's precise-mode arguments.
+    fn kv_events_args(&self, kv: Option<KvEvents>) -> Result<Vec<std::ffi::OsString>> {
+        let Some(kv) = kv else {
+            return Ok(Vec::new());
+        };
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["--kv-events-tokenizer".into(), kv.tokenizer.arg()?];
+        match kv.publishers {
+            Publishers::ToEpp => {
+                args.extend([
+                    "--kv-events-port".into(),
+                    self.events.listen.to_string().into(),
+                ]);
+            }
+            Publishers::VllmBound => args.extend(
+                [
+                    "--kv-events-port",
+                    &self.events.bound.to_string(),
+                    "--kv-events-dial",
+                    "--kv-events-replay-port",
+                    &self.events.replay.to_string(),
+                ]
+                .map(Into::into),
+            ),
+        }
+        Ok(args)
+    }
+
     fn bootstrap(&self, template: Template, epp: SocketAddr, pool: Vec<SocketAddr>) -> Bootstrap {
         Bootstrap {
             pool,
@@ -1639,7 +1819,7 @@ impl Bench {
                         contender.config.as_deref(),
                         self.port,
                         &self.kubeconfig,
-                        contender.kv_events.map(|t| (self.events_port, t)),
+                        self.kv_events_args(contender.kv_events)?,
                     )
                     .await?;
                     replicas.push(epp);
@@ -1743,7 +1923,7 @@ impl Bench {
         self.binaries.inference_perf.is_some()
             && self.args.wants_workload(IP_WORKLOAD)
             && contender.route != Route::Direct
-            && contender.kv_events != Some(EventsTokenizer::Qwen3)
+            && !KvEvents::tokenizer_is(contender.kv_events, EventsTokenizer::Qwen3)
     }
 
     /// Timed simulators, started empty for this contender, the same as (c)'s;
@@ -1751,9 +1931,20 @@ impl Bench {
     async fn start_timed_sims(&self, contender: &Contender) -> Result<Sims> {
         match &self.binaries.llmd_sim {
             Some(bin) if self.args.simulator == Simulator::Llmd => {
-                let events = contender
-                    .kv_events
-                    .map(|_| SocketAddr::from(([127, 0, 0, 1], self.events_port)));
+                let events = match contender.kv_events.map(|k| k.publishers) {
+                    None => SimEvents::Nowhere,
+                    Some(Publishers::ToEpp) => {
+                        SimEvents::To(SocketAddr::from(([127, 0, 0, 1], self.events.listen)))
+                    }
+                    Some(Publishers::VllmBound) => SimEvents::VllmBound {
+                        python: self
+                            .binaries
+                            .vllm_publisher
+                            .as_deref()
+                            .context("bench/peers/install.sh vllm-publisher")?,
+                        ports: &self.events,
+                    },
+                };
                 let max_model_len = self.args.llmd_max_model_len;
                 Sims::start_llmd(bin, self.args.pods, self.port, max_model_len, events).await
             }
@@ -1868,7 +2059,7 @@ impl Bench {
 
     /// (c), (d), (e) as `--workloads` asks.
     fn run_open_workloads(&self, contender: &Contender, report: &mut Report) -> Result<()> {
-        if contender.kv_events == Some(EventsTokenizer::Qwen3) {
+        if KvEvents::tokenizer_is(contender.kv_events, EventsTokenizer::Qwen3) {
             return Ok(());
         }
         for (i, w) in OPEN_WORKLOADS.iter().enumerate() {
@@ -2469,7 +2660,7 @@ fn main() -> Result<()> {
         binaries,
         kubeconfig: cluster.kubeconfig_path().to_path_buf(),
         port,
-        events_port: free_port()?,
+        events: EventsPorts::pick(args.pods, port)?,
         bodies: Bodies::new(),
         http,
         load_rt,
