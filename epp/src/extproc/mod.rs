@@ -3,6 +3,7 @@
 //! Endpoint Picker Protocol expects.
 
 pub mod body;
+mod decoding;
 pub mod limits;
 pub mod reply;
 pub mod router;
@@ -22,6 +23,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Metrics;
+use decoding::{DecodeMeter, Metered};
+use futures::StreamExt as _;
 use limits::BodyBudget;
 pub use router::Router;
 
@@ -108,19 +111,21 @@ impl<R: Router> ExtProcService<R> {
         }
     }
 
-    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+    /// The gRPC service, its messages' bytes charged to the body budget
+    /// while they are decoded (see [`decoding`]).
+    pub fn into_server(self) -> Metered<ExternalProcessorServer<Self>> {
         let largest = max_message_bytes(self.config.max_body_bytes);
-        ExternalProcessorServer::new(self)
+        let budget = Arc::clone(&self.budget);
+        let server = ExternalProcessorServer::new(self)
             .max_decoding_message_size(largest)
-            .max_encoding_message_size(64 * 1024 * 1024)
+            .max_encoding_message_size(64 * 1024 * 1024);
+        Metered::new(server, budget)
     }
 }
 
 /// The largest ext_proc message a stream may send: a whole body (BUFFERED
-/// mode sends it in one) and its framing. The gRPC decoder holds one
-/// message of every open stream in full before the body budget sees it, so
-/// this, not the budget, bounds what each stream can make the EPP allocate
-/// on its own.
+/// mode sends it in one) and its framing. Refused by its length prefix,
+/// before its bytes are read.
 pub fn max_message_bytes(max_body_bytes: usize) -> usize {
     max_body_bytes.saturating_add(64 * 1024)
 }
@@ -133,7 +138,13 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        Ok(Response::new(self.open(request.into_inner())))
+        let meter = request.extensions().get::<DecodeMeter>().cloned();
+        let inbound = request.into_inner().inspect(move |_| {
+            if let Some(meter) = &meter {
+                meter.delivered();
+            }
+        });
+        Ok(Response::new(self.open(inbound)))
     }
 }
 

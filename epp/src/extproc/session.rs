@@ -29,6 +29,10 @@ use super::*;
 use crate::lists::comma_separated;
 use crate::metrics::Metrics;
 
+/// The 503's message when the body budget is spent.
+const BODY_BUDGET_EXHAUSTED: &str =
+    "the endpoint picker is buffering too many request bodies; retry later";
+
 /// `BodySendMode` values in the filter's protocol config.
 const STREAMED: i32 = 1;
 const FULL_DUPLEX_STREAMED: i32 = 4;
@@ -139,6 +143,12 @@ impl<R: Router> Session<R> {
                 // before its bytes): the request is too large, and says so.
                 Err(status) if status.code() == tonic::Code::OutOfRange => {
                     self.too_large().await;
+                    break;
+                }
+                // The body budget cannot hold the message being decoded
+                // (`decoding`): refused as a body it cannot buffer is.
+                Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                    self.shed(503, "body_budget", BODY_BUDGET_EXHAUSTED).await;
                     break;
                 }
                 // The stream broke mid-way: nothing is left to answer.
@@ -264,12 +274,7 @@ impl<R: Router> Session<R> {
         }
         let last = b.end_of_stream;
         if !self.hold_chunk(b.body, last) {
-            self.shed(
-                503,
-                "body_budget",
-                "the endpoint picker is buffering too many request bodies; retry later",
-            )
-            .await;
+            self.shed(503, "body_budget", BODY_BUDGET_EXHAUSTED).await;
             return false;
         }
         if last { self.decide().await } else { true }
