@@ -898,6 +898,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_message_the_decoder_could_not_charge_is_refused_as_a_body_is() {
+        let router = FakeRouter::new(local());
+        let mut s = live(&router, 1000, Duration::from_secs(60));
+        s.inbound
+            .send(Ok(request(headers(&[PATH], false))))
+            .await
+            .unwrap();
+        assert!(s.replies.recv().await.is_some(), "headers continue");
+        s.inbound
+            .send(Err(Status::resource_exhausted("budget")))
+            .await
+            .unwrap();
+        let reply = s.replies.recv().await.unwrap().unwrap();
+        assert_eq!(immediate_status(&reply), Some(503));
+        s.task.await.unwrap();
+        assert!(router.routed.lock().unwrap().is_empty());
+        let text = rendered(&s.metrics);
+        assert!(
+            text.contains(r#"kinference_epp_stream_refusals_total{reason="body_budget"} 1"#),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_body_over_the_shared_budget_is_refused_at_once_and_frees_nothing_else() {
         let router = FakeRouter::new(local());
         // One stream holds 600 of the 1,000 bytes and never finishes.
