@@ -18,13 +18,14 @@
 //! policy sees about an endpoint (namespace, labels, backend, zone, node)
 //! is the Pod's, identical for all its ranks.
 //!
-//! The models a Pod serves come from its `kinference.io/models` label, or,
-//! without one, from its OpenAI `GET /v1/models`. That call runs in a
-//! background task per endpoint (never in the watch loop; each rank is its own
-//! server on its own port), retried with backoff
-//! until it answers and then refreshed now and then, because dynamically
-//! loaded LoRA adapters show up there. Until it answers, the endpoint is in
-//! the registry with an empty model list (scraped, but serving nothing).
+//! The models a Pod serves come from its OpenAI `GET /v1/models`, or from
+//! its `kinference.io/models` label, which then names its base models and
+//! leaves the LoRA adapters to `/v1/models` (they are loaded and unloaded
+//! at run time; no label keeps up). That call runs in a background task per
+//! endpoint (never in the watch loop; each rank is its own server on its
+//! own port), retried with backoff until it answers and then refreshed now
+//! and then. Until it answers, an unlabelled endpoint is in the registry
+//! with an empty model list (scraped, but serving nothing).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
@@ -322,7 +323,9 @@ struct ModelsFound {
 struct Tracked {
     /// The endpoint as last handed to the registry (models filled in).
     endpoint: Endpoint,
-    /// Running `/v1/models` poller, for Pods without the models label.
+    /// The models its label names, if it has one.
+    labelled: Option<Vec<String>>,
+    /// Its running `/v1/models` poller.
     poller: Option<AbortOnDropHandle<()>>,
 }
 
@@ -503,24 +506,23 @@ impl DiscoveryState {
         self.registry.remove(name);
     }
 
-    /// Fills in models already learned from `/v1/models` and starts or stops
-    /// the poller as needed.
+    /// Fills in models already learned from `/v1/models` and starts the
+    /// poller unless the endpoint's is already running.
     fn prepare(&self, mut ep: Endpoint, prev: Option<Tracked>) -> Tracked {
-        if !ep.models.is_empty() {
-            // Labelled: the label is authoritative, no poller.
-            return Tracked {
-                endpoint: ep,
-                poller: None,
-            };
-        }
+        let labelled = (!ep.models.is_empty()).then(|| ep.models.clone());
         if let Some(prev) = prev
             && prev.endpoint.ip == ep.ip
             && prev.endpoint.port == ep.port
             && let Some(poller) = prev.poller
         {
-            ep.models = prev.endpoint.models;
+            let served = ServedModels {
+                models: prev.endpoint.models,
+                adapters: prev.endpoint.adapters,
+            };
+            (ep.models, ep.adapters) = served_by(labelled.as_deref(), served);
             return Tracked {
                 endpoint: ep,
+                labelled,
                 poller: Some(poller),
             };
         }
@@ -533,6 +535,7 @@ impl DiscoveryState {
         ));
         Tracked {
             endpoint: ep,
+            labelled,
             poller: Some(AbortOnDropHandle::new(poller)),
         }
     }
@@ -545,7 +548,7 @@ impl DiscoveryState {
         if t.poller.is_none() || t.endpoint.ip != found.ip || t.endpoint.port != found.port {
             return;
         }
-        let ServedModels { models, adapters } = found.served;
+        let (models, adapters) = served_by(t.labelled.as_deref(), found.served);
         if t.endpoint.models != models || t.endpoint.adapters != adapters {
             info!(endpoint = %found.name, ?models, ?adapters, "learned models from /v1/models");
             t.endpoint.models = models;
@@ -553,6 +556,23 @@ impl DiscoveryState {
             self.registry.upsert(t.endpoint.clone());
         }
     }
+}
+
+/// The models and adapters an endpoint serves: what its `/v1/models` lists,
+/// or the models its label names and the adapters `/v1/models` lists.
+fn served_by(labelled: Option<&[String]>, served: ServedModels) -> (Vec<String>, Vec<String>) {
+    let Some(label) = labelled else {
+        return (served.models, served.adapters);
+    };
+    let mut models = label.to_vec();
+    models.extend(
+        served
+            .adapters
+            .iter()
+            .filter(|a| !label.contains(a))
+            .cloned(),
+    );
+    (models, served.adapters)
 }
 
 /// HTTP client for `/v1/models`: direct (never through a proxy), short
@@ -999,20 +1019,41 @@ mod tests {
         // A status update keeps the learned models (and the poller).
         st.on_event(Event::Apply(ready_pod("u", &[("extra", "1")])));
         assert_eq!(reg.get("u").unwrap().models, ["llama"]);
-        // Labelling the Pod makes the label authoritative and stops polling.
+        // Labelling the Pod makes the label authoritative for base models;
+        // its adapters still come from `/v1/models`.
         st.on_event(Event::Apply(ready_pod("u", &[(MODELS_LABEL, "pinned")])));
         assert_eq!(reg.get("u").unwrap().models, ["pinned"]);
-        assert!(st.tracked["u"].poller.is_none());
-        st.on_models(ModelsFound {
+        assert!(st.tracked["u"].poller.is_some());
+        let served = |models: &[&str], adapters: &[&str]| ModelsFound {
             name: "u".into(),
             ip,
             port: 8000,
             served: ServedModels {
-                models: vec!["llama".into()],
-                adapters: Vec::new(),
+                models: models.iter().map(|m| m.to_string()).collect(),
+                adapters: adapters.iter().map(|m| m.to_string()).collect(),
             },
-        });
+        };
+        st.on_models(served(&["llama"], &[]));
         assert_eq!(reg.get("u").unwrap().models, ["pinned"]);
+        // An adapter loaded at run time joins the label's models.
+        st.on_models(served(&["llama", "sql-lora"], &["sql-lora"]));
+        let u = reg.get("u").unwrap();
+        assert_eq!(
+            (u.models.as_slice(), u.adapters.as_slice()),
+            (
+                &["pinned".to_string(), "sql-lora".to_string()][..],
+                &["sql-lora".to_string()][..]
+            )
+        );
+        // A status update keeps it; unloaded, it leaves.
+        st.on_event(Event::Apply(ready_pod(
+            "u",
+            &[(MODELS_LABEL, "pinned"), ("extra", "2")],
+        )));
+        assert_eq!(reg.get("u").unwrap().adapters, ["sql-lora"]);
+        st.on_models(served(&["llama"], &[]));
+        assert_eq!(reg.get("u").unwrap().models, ["pinned"]);
+        assert!(reg.get("u").unwrap().adapters.is_empty());
     }
 
     fn annotated(mut pod: Pod, active_ports: &str) -> Pod {
