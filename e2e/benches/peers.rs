@@ -12,6 +12,9 @@
 //! - `direct`: the clients call the simulators themselves, round-robin — the
 //!   zero-overhead baseline every latency is measured against;
 //! - `envoy-rr`: Envoy's own round-robin over the Pods, no ext_proc;
+//! - `kinference-default`: our EPP with its built-in default policy;
+//!   `gie-lora`: the reference's default profile plus its LoRA affinity
+//!   scorer;
 //! - `kinference-queue` / `kinference-ttft`: our EPP with a one-rule policy
 //!   `minimize: QueueDepth, tieBreak: Random` (the reference's queue
 //!   scorer's objective, ties broken at random as its picker does) and
@@ -40,7 +43,10 @@
 //! cases the peers' critics asked for; (g) the hot-group case, (c) with one
 //! system prompt taking 60% of the traffic. `--simulator llmd` runs (c), (d),
 //! (e) and (g) on llm-d-inference-sim instead of ours, which also reports
-//! each answer's cached prompt tokens (the tables' cache-hit share).
+//! each answer's cached prompt tokens (the tables' cache-hit share), and
+//! adds (h): (c) with each system prompt asked of its own LoRA adapter, 8
+//! adapters over Pods that hold 2 each (`kinference-default` and `gie-lora`
+//! are the contenders that know adapters).
 //! `--reps N` runs every contender N times in turn; the open-loop tables
 //! give medians over reps and each rep's ratio to the reference. (f): the field's own load
 //! generator, `inference-perf`, with its `shared_prefix` generator and
@@ -126,6 +132,33 @@ const TTFT_POLICY: &str = "pool:
 rules:
   - name: fastest-first-token
     route: { select: [{ type: Local, minimize: PredictedTTFT }] }
+";
+/// The policy `kinference-epp --pool-name` serves when given none (LoRA
+/// adapters first where loaded, never evicting one in use), over the pool.
+const DEFAULT_POLICY: &str = concat!(
+    "pool:\n  selector: { app: peers-sim }\n  targetPorts: [{ number: ${PORT} }]\n",
+    include_str!("../../epp/policies/default.yaml")
+);
+/// The reference EPP's default profile with its LoRA affinity scorer added
+/// (v1.5.0 ships it, outside the default profile), weighted as the queue.
+const GIE_LORA_CONFIG: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: lora-affinity-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: lora-affinity-scorer
+    weight: 2
 ";
 /// The reference EPP with its queue scorer alone (the max-score picker, the
 /// single-profile handler and the metrics data layer are filled in by its
@@ -429,6 +462,22 @@ fn contenders(args: &Args) -> Vec<Contender> {
             what: "reference EPP, default profile (queue 2 + KV 2 + prefix 3)",
         },
         Contender {
+            name: "kinference-default",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(DEFAULT_POLICY.into()),
+            kv_events: None,
+            replicas: 1,
+            what: "our EPP, the built-in default policy (`epp/policies/default.yaml`: a LoRA adapter's Pods with it loaded first)",
+        },
+        Contender {
+            name: "gie-lora",
+            route: Route::Epp(Peer::Gie),
+            config: Some(GIE_LORA_CONFIG.into()),
+            kv_events: None,
+            replicas: 1,
+            what: "reference EPP, default profile plus its LoRA affinity scorer (weight 2)",
+        },
+        Contender {
             name: "gie-default-x2",
             route: Route::Epp(Peer::Gie),
             config: None,
@@ -638,6 +687,31 @@ struct Sims {
     port: u16,
 }
 
+/// What each llm-d-inference-sim is started with beyond [`SimShape::Timed`]'s
+/// likeness.
+struct LlmdShape {
+    max_model_len: u32,
+    /// LoRA adapters `lora-0` … of the base model (0: none), [`LORA_SLOTS`]
+    /// loaded at once.
+    adapters: usize,
+}
+
+impl LlmdShape {
+    fn lora_args(&self) -> Vec<String> {
+        if self.adapters == 0 {
+            return Vec::new();
+        }
+        let mut args = vec!["--lora-modules".to_string()];
+        args.extend((0..self.adapters).map(|i| {
+            json!({"name": format!("lora-{i}"), "path": format!("/adapters/lora-{i}"), "base_model_name": MODEL})
+                .to_string()
+        }));
+        args.extend(["--max-loras".to_string(), LORA_SLOTS.to_string()]);
+        args.extend(["--max-cpu-loras".to_string(), self.adapters.to_string()]);
+        args
+    }
+}
+
 /// Where each llm-d-inference-sim sends its KV events.
 enum SimEvents<'a> {
     Nowhere,
@@ -734,7 +808,7 @@ impl Sims {
         bin: &Path,
         pods: usize,
         port: u16,
-        max_model_len: u32,
+        shape: LlmdShape,
         events: SimEvents<'_>,
     ) -> Result<Sims> {
         let mut peers = Vec::with_capacity(pods);
@@ -747,7 +821,8 @@ impl Sims {
             let child = Command::new(bin)
                 .args(["--port", &own.to_string(), "--model", MODEL])
                 .args(["--max-num-seqs", "4"])
-                .args(["--max-model-len", &max_model_len.to_string()])
+                .args(["--max-model-len", &shape.max_model_len.to_string()])
+                .args(shape.lora_args())
                 .args([
                     "--prefill-overhead",
                     "5ms",
@@ -1376,7 +1451,7 @@ impl Plan {
                 chat_warmup: 10,
                 large_requests: 20,
                 large_warmup: 5,
-                open_rates: [vec![4.0], vec![20.0], vec![2.0], vec![4.0]],
+                open_rates: [vec![4.0], vec![20.0], vec![2.0], vec![4.0], vec![4.0]],
                 open_stage: Duration::from_secs(2),
                 inference_perf_stage: Duration::from_secs(3),
                 max_time: Duration::from_secs(30),
@@ -1399,6 +1474,8 @@ impl Plan {
                     vec![2.0, 4.0, 6.0],
                     // (c)'s middle rate.
                     vec![16.0],
+                    // (c)'s, on half its slots' worth of adapters.
+                    vec![8.0, 16.0, 24.0],
                 ],
                 open_stage: Duration::from_secs(12),
                 inference_perf_stage: Duration::from_secs(20),
@@ -1465,10 +1542,23 @@ struct OpenWorkload {
     /// Its name for `--workloads`.
     name: &'static str,
     shape: SharedPrefix,
+    /// LoRA adapters of the base model, one per system prompt in turn
+    /// (`lora-<group % adapters>`); 0: every request is for the base model.
+    adapters: usize,
+}
+
+impl OpenWorkload {
+    fn model_of(&self, group: usize) -> String {
+        if self.adapters == 0 {
+            MODEL.to_string()
+        } else {
+            format!("lora-{}", group % self.adapters)
+        }
+    }
 }
 
 /// How many open-loop workloads there are.
-const OPEN: usize = 4;
+const OPEN: usize = 5;
 
 /// (c), (d), (e), (g): routing quality, small inputs, decode-heavy outputs,
 /// one hot group.
@@ -1477,23 +1567,46 @@ const OPEN_WORKLOADS: [OpenWorkload; OPEN] = [
         label: "(c) shared prefix",
         name: "prefix",
         shape: PREFIX_SHAPE,
+        adapters: 0,
     },
     OpenWorkload {
         label: "(d) small inputs",
         name: "small",
         shape: SMALL_SHAPE,
+        adapters: 0,
     },
     OpenWorkload {
         label: "(e) decode-heavy",
         name: "decode",
         shape: DECODE_SHAPE,
+        adapters: 0,
     },
     OpenWorkload {
         label: "(g) hot group",
         name: "hot",
         shape: HOT_SHAPE,
+        adapters: 0,
+    },
+    OpenWorkload {
+        label: "(h) LoRA adapters",
+        name: "lora",
+        shape: LORA_SHAPE,
+        adapters: LORA_ADAPTERS,
     },
 ];
+
+/// (h): (c) with each system prompt asked of its own LoRA adapter, the
+/// groups equally likely: 8 adapters over 4 Pods that each hold 2
+/// (`--max-loras 2`; llm-d-inference-sim only). An adapter a Pod cannot
+/// load (both slots in use by others) waits there, and one unloaded loses
+/// its cached blocks.
+const LORA_SHAPE: SharedPrefix = SharedPrefix {
+    hot_share: 0.0,
+    ..PREFIX_SHAPE
+};
+const LORA_ADAPTERS: usize = 8;
+/// Adapters a simulated Pod holds at once.
+const LORA_SLOTS: usize = 2;
 
 /// (f): inference-perf's `shared_prefix` at (c)'s rates.
 const IP_WORKLOAD: &str = "inference-perf";
@@ -1529,7 +1642,7 @@ impl Bodies {
             chat: shared(workload::short_chat(MODEL, 1_024)),
             large: shared(workload::large_prompts(MODEL, 64, 220_000)),
             open: OPEN_WORKLOADS.map(|w| {
-                let requests = workload::shared_prefix(MODEL, &w.shape, 4_096);
+                let requests = workload::shared_prefix_models(|g| w.model_of(g), &w.shape, 4_096);
                 Arc::new(
                     requests
                         .into_iter()
@@ -1928,7 +2041,8 @@ impl Bench {
 
     /// Timed simulators, started empty for this contender, the same as (c)'s;
     /// the rate ladder of (c).
-    async fn start_timed_sims(&self, contender: &Contender) -> Result<Sims> {
+    /// `adapters`: LoRA adapters each simulator serves (0: none).
+    async fn start_timed_sims(&self, contender: &Contender, adapters: usize) -> Result<Sims> {
         match &self.binaries.llmd_sim {
             Some(bin) if self.args.simulator == Simulator::Llmd => {
                 let events = match contender.kv_events.map(|k| k.publishers) {
@@ -1946,13 +2060,18 @@ impl Bench {
                     },
                 };
                 let max_model_len = self.args.llmd_max_model_len;
-                Sims::start_llmd(bin, self.args.pods, self.port, max_model_len, events).await
+                let shape = LlmdShape {
+                    max_model_len,
+                    adapters,
+                };
+                Sims::start_llmd(bin, self.args.pods, self.port, shape, events).await
             }
             _ => {
                 ensure!(
                     contender.kv_events.is_none(),
                     "precise prefix mode needs KV events: --simulator llmd"
                 );
+                ensure!(adapters == 0, "LoRA adapters need --simulator llmd");
                 Sims::start(self.args.pods, self.port, SimShape::Timed).await
             }
         }
@@ -1964,7 +2083,7 @@ impl Bench {
             .inference_perf
             .as_ref()
             .context("not installed")?;
-        let sims = self.sim_rt.block_on(self.start_timed_sims(contender))?;
+        let sims = self.sim_rt.block_on(self.start_timed_sims(contender, 0))?;
         let dir = scratch_dir()?.join(format!("inference-perf-{}", contender.name));
         std::fs::create_dir_all(&dir)?;
         let result = self.load_rt.block_on(async {
@@ -2063,7 +2182,9 @@ impl Bench {
             return Ok(());
         }
         for (i, w) in OPEN_WORKLOADS.iter().enumerate() {
-            if self.args.wants_workload(w.name) {
+            // Only llm-d-inference-sim serves adapters.
+            let servable = w.adapters == 0 || self.args.simulator == Simulator::Llmd;
+            if self.args.wants_workload(w.name) && servable {
                 self.run_open_workload(contender, i, report)
                     .with_context(|| w.label)?;
             }
@@ -2080,7 +2201,9 @@ impl Bench {
         report: &mut Report,
     ) -> Result<()> {
         let workload = OPEN_WORKLOADS[i];
-        let sims = self.sim_rt.block_on(self.start_timed_sims(contender))?;
+        let sims = self
+            .sim_rt
+            .block_on(self.start_timed_sims(contender, workload.adapters))?;
         let result = self.load_rt.block_on(async {
             let path = self.set_up(contender, &sims.addrs()).await?;
             for &rate in &self.plan.open_rates[i] {

@@ -118,6 +118,16 @@ pub struct GroupRequest {
 /// `count` requests of the shared-prefix workload `shape` (streamed, so a
 /// client can time the first token), in a fixed pseudo-random order.
 pub fn shared_prefix(model: &str, shape: &SharedPrefix, count: usize) -> Vec<GroupRequest> {
+    shared_prefix_models(|_| model.to_string(), shape, count)
+}
+
+/// [`shared_prefix`] with each group's requests for model `model_of(group)`
+/// (e.g. an adapter per system prompt).
+pub fn shared_prefix_models(
+    model_of: impl Fn(usize) -> String,
+    shape: &SharedPrefix,
+    count: usize,
+) -> Vec<GroupRequest> {
     let systems: Vec<String> = (0..shape.groups.max(1))
         .map(|g| {
             format!(
@@ -148,7 +158,13 @@ pub fn shared_prefix(model: &str, shape: &SharedPrefix, count: usize) -> Vec<Gro
             );
             GroupRequest {
                 group,
-                body: chat_body(model, &systems[group], &question, shape.output_tokens, true),
+                body: chat_body(
+                    &model_of(group),
+                    &systems[group],
+                    &question,
+                    shape.output_tokens,
+                    true,
+                ),
             }
         })
         .collect()
@@ -160,6 +176,24 @@ mod tests {
 
     fn json(body: &[u8]) -> serde_json::Value {
         serde_json::from_slice(body).unwrap()
+    }
+
+    #[test]
+    fn each_group_can_ask_for_a_model_of_its_own() {
+        let shape = SharedPrefix {
+            groups: 4,
+            prompts_per_group: 2,
+            system_bytes: 100,
+            question_bytes: 20,
+            output_tokens: 4,
+            hot_share: 0.0,
+        };
+        let requests = shared_prefix_models(|g| format!("lora-{g}"), &shape, 32);
+        for r in &requests {
+            assert_eq!(json(&r.body)["model"], format!("lora-{}", r.group));
+        }
+        let groups: std::collections::BTreeSet<usize> = requests.iter().map(|r| r.group).collect();
+        assert_eq!(groups.len(), 4);
     }
 
     #[test]
