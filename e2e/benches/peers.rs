@@ -44,9 +44,11 @@
 //! system prompt taking 60% of the traffic. `--simulator llmd` runs (c), (d),
 //! (e) and (g) on llm-d-inference-sim instead of ours, which also reports
 //! each answer's cached prompt tokens (the tables' cache-hit share), and
-//! adds (h): (c) with each system prompt asked of its own LoRA adapter, 8
-//! adapters over Pods that hold 2 each (`kinference-default` and `gie-lora`
-//! are the contenders that know adapters).
+//! adds (h): short prompts for 8 LoRA adapters over Pods that hold 2 each
+//! (`kinference-default` and `gie-lora`
+//! are the contenders that know adapters). (i): priorities under overload,
+//! three InferenceObjectives at 0.25× to 2× the pool's capacity
+//! (`peers/priorities.rs`; `kinference-flow` and `gie-flow` act on them).
 //! `--reps N` runs every contender N times in turn; the open-loop tables
 //! give medians over reps and each rep's ratio to the reference. (f): the field's own load
 //! generator, `inference-perf`, with its `shared_prefix` generator and
@@ -64,6 +66,9 @@
 //! KINFERENCE_K8S_BIN_DIR=... cargo bench -p kinference-e2e --bench peers -- \
 //!     --mode smoke --epp-bin target/release/kinference-epp --peers-dir "$(bench/peers/install.sh)"
 //! ```
+
+#[path = "peers/priorities.rs"]
+mod priorities;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -211,7 +216,8 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these workloads (`chat`, `large`, `prefix`, `small`, `decode`,
-    /// `inference-perf`); all by default (`inference-perf` when installed).
+    /// `hot`, `lora`, `inference-perf`, `priorities`); all by default
+    /// (`inference-perf` when installed, `lora` with `--simulator llmd`).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Simulated Pods in the pool.
@@ -478,6 +484,22 @@ fn contenders(args: &Args) -> Vec<Contender> {
             what: "reference EPP, default profile plus its LoRA affinity scorer (weight 2)",
         },
         Contender {
+            name: "kinference-flow",
+            route: Route::Epp(Peer::Kinference),
+            config: Some(priorities::FLOW_POLICY.into()),
+            kv_events: None,
+            replicas: 1,
+            what: "our EPP, flow control by InferenceObjective priority: Pods full at their slots in flight (one fewer for priority 0 and below), the rest wait in the EPP (`onEmpty: Wait`)",
+        },
+        Contender {
+            name: "gie-flow",
+            route: Route::Epp(Peer::Gie),
+            config: Some(priorities::GIE_FLOW_CONFIG.into()),
+            kv_events: None,
+            replicas: 1,
+            what: "reference EPP, default profile with its `flowControl` feature gate",
+        },
+        Contender {
             name: "gie-default-x2",
             route: Route::Epp(Peer::Gie),
             config: None,
@@ -608,6 +630,7 @@ async fn create_inference_pool(client: &Client, port: u16) -> Result<()> {
 async fn create_pool_objects(client: &Client, pods: usize, port: u16) -> Result<()> {
     create_namespace(client, NS).await?;
     create_inference_pool(client, port).await?;
+    priorities::create_objectives(client).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), NS);
     for i in 0..pods {
         let name = format!("sim-{i}");
@@ -633,6 +656,9 @@ enum SimShape {
     Held,
     /// Timed prefill with a prefix cache and queueing (routing quality).
     Timed,
+    /// [`SimShape::Timed`] with slow decode, so that a few requests a
+    /// second fill every slot ((i), priorities under overload).
+    Queued,
 }
 
 /// A 220 KB prompt is ~55,000 tokens: the default KV capacity (131,072) would
@@ -666,6 +692,15 @@ fn sim_config(i: usize, shape: SimShape) -> SimConfig {
             prefill_tokens_per_sec: 4_000.0,
             decode_tokens_per_sec: 200.0,
             base_latency_ms: 5.0,
+            prefix_cache_blocks: 1_024,
+            ..base
+        },
+        SimShape::Queued => SimConfig {
+            time_scale: 1.0,
+            max_concurrency: priorities::SLOTS,
+            prefill_tokens_per_sec: 4_000.0,
+            decode_tokens_per_sec: priorities::DECODE_TOKENS_PER_SEC,
+            base_latency_ms: priorities::BASE_LATENCY_MS,
             prefix_cache_blocks: 1_024,
             ..base
         },
@@ -939,6 +974,8 @@ fn epp_command(
     match peer {
         Peer::Kinference => {
             cmd.args(["--bind-address", "127.0.0.1", "--namespace", NS])
+                // Its InferenceObjectives, and the pool-level series.
+                .args(["--metrics-pool-name", POOL])
                 .args(["--grpc-port", &grpc, "--grpc-health-port", &health])
                 .args(["--metrics-port", &metrics, "--secure-serving=false"])
                 .args(["--log-format", "text"])
@@ -1474,8 +1511,9 @@ impl Plan {
                     vec![2.0, 4.0, 6.0],
                     // (c)'s middle rate.
                     vec![16.0],
-                    // (c)'s, on half its slots' worth of adapters.
-                    vec![8.0, 16.0, 24.0],
+                    // Short requests (about 120 ms on a slot), so the
+                    // adapters' slots, not the prefill, are what is short.
+                    vec![20.0, 40.0, 60.0],
                 ],
                 open_stage: Duration::from_secs(12),
                 inference_perf_stage: Duration::from_secs(20),
@@ -1595,14 +1633,20 @@ const OPEN_WORKLOADS: [OpenWorkload; OPEN] = [
     },
 ];
 
-/// (h): (c) with each system prompt asked of its own LoRA adapter, the
-/// groups equally likely: 8 adapters over 4 Pods that each hold 2
-/// (`--max-loras 2`; llm-d-inference-sim only). An adapter a Pod cannot
-/// load (both slots in use by others) waits there, and one unloaded loses
-/// its cached blocks.
+/// (h): 8 LoRA adapters over 4 Pods that each hold 2 (`--max-loras 2`;
+/// llm-d-inference-sim only), short prompts. 64 system prompts of 600
+/// bytes, each asked of adapter `group % 8`: a group's prefix says little
+/// about where its adapter is, so a picker blind to adapters spreads every
+/// adapter over every Pod. A request whose adapter a Pod cannot load (both
+/// slots in use by others) waits there, and an adapter unloaded loses its
+/// cached blocks.
 const LORA_SHAPE: SharedPrefix = SharedPrefix {
+    groups: 64,
+    prompts_per_group: 16,
+    system_bytes: 600,
+    question_bytes: 200,
+    output_tokens: 16,
     hot_share: 0.0,
-    ..PREFIX_SHAPE
 };
 const LORA_ADAPTERS: usize = 8;
 /// Adapters a simulated Pod holds at once.
@@ -1780,6 +1824,8 @@ struct Report {
     rows: Vec<Row>,
     /// (f), when it ran.
     inference_perf: Option<InferencePerfRun>,
+    /// (i), one row per load, when it ran.
+    priorities: Vec<priorities::Row>,
     skipped: Option<String>,
 }
 
@@ -1997,6 +2043,7 @@ impl Bench {
             idle_cpu_ms_per_s: None,
             rows: Vec::new(),
             inference_perf: None,
+            priorities: Vec::new(),
             skipped: None,
         };
         if let Route::Epp(peer) = contender.route
@@ -2027,7 +2074,54 @@ impl Bench {
                 Err(e) => report.skipped = Some(format!("{IP_LABEL}: {e:#}")),
             }
         }
+        if self.wants_priorities(contender) {
+            match self.run_priorities(contender) {
+                Ok(rows) => report.priorities = rows,
+                Err(e) => report.skipped = Some(format!("{}: {e:#}", priorities::LABEL)),
+            }
+        }
         report
+    }
+
+    /// (i) runs through a gateway (the objective is a request header the
+    /// EPP reads), when not filtered out.
+    fn wants_priorities(&self, contender: &Contender) -> bool {
+        self.args.wants_workload(priorities::WORKLOAD)
+            && contender.route != Route::Direct
+            && contender.kv_events.is_none()
+    }
+
+    /// (i): every load in turn through one lane, against queued
+    /// simulators started empty for this contender.
+    fn run_priorities(&self, contender: &Contender) -> Result<Vec<priorities::Row>> {
+        let full = self.args.mode == Mode::Full;
+        let capacity = priorities::capacity(self.args.pods);
+        let sims =
+            self.sim_rt
+                .block_on(Sims::start(self.args.pods, self.port, SimShape::Queued))?;
+        let result = self.load_rt.block_on(async {
+            let lane = self.set_up(contender, &sims.addrs()).await?;
+            let url = lane.target.url(0).to_string();
+            let mut rows = Vec::new();
+            for &load in priorities::loads(full) {
+                let started = Instant::now();
+                let stage = priorities::stage(full).as_secs_f64();
+                let row = priorities::run_load(&self.http, &url, load, capacity, stage).await;
+                eprintln!(
+                    "[peers] {} {}: {}",
+                    contender.name,
+                    priorities::LABEL,
+                    priorities::brief(&row, started)
+                );
+                rows.push(row);
+                // What waits in the engines' queues drains before the next load.
+                tokio::time::sleep(priorities::stage(full) / 4).await;
+            }
+            lane.stop().await;
+            anyhow::Ok(rows)
+        });
+        self.sim_rt.block_on(sims.stop());
+        result
     }
 
     /// (f) runs through a gateway (inference-perf takes one base URL, so
@@ -2135,7 +2229,7 @@ impl Bench {
                 let phase = "(b2) 220 KB c150, sims hold ~1 s".to_string();
                 phases.push((phase, large, &self.bodies.large));
             }
-            SimShape::Held | SimShape::Timed => {}
+            SimShape::Held | SimShape::Timed | SimShape::Queued => {}
         }
         phases
     }
@@ -2829,6 +2923,7 @@ fn main() -> Result<()> {
     print_closed_tables(first_rep);
     print_open_tables(&reports);
     print_inference_perf_table(first_rep, bench.plan.inference_perf_stage);
+    priorities::print_table(first_rep, bench.args.pods);
     print_summary(first_rep, bench.args.pods);
     let failed: Vec<&str> = reports
         .iter()

@@ -64,14 +64,25 @@ impl HttpClient {
     /// POSTs `body` as JSON to `url`; an answer that is not 2xx is an error
     /// carrying the start of its body.
     pub async fn post_json(&self, url: &str, body: Vec<u8>) -> anyhow::Result<Answer> {
+        self.post_json_with(url, body, &[]).await
+    }
+
+    /// [`HttpClient::post_json`] with these request headers too.
+    pub async fn post_json_with(
+        &self,
+        url: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Answer> {
         let started = Instant::now();
-        let mut response = self
+        let mut request = self
             .inner
             .post(url)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await?;
+            .header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let mut response = request.body(body).send().await?;
         let status = response.status();
         let headers = response.headers();
         let server = ["x-sim-server", "x-inference-pod"]

@@ -20,10 +20,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 
-use super::process::{NodeProcess, run};
+use super::process::{NodeProcess, run, run_with_stdin};
 
 /// containerd namespace of the CRI plugin (the kubelet's containers).
 pub(crate) const K8S_NAMESPACE: &str = "k8s.io";
+/// The snapshotter the CRI unpacks images with (and `ctr import` into).
+const CRI_SNAPSHOTTER: &str = "overlayfs";
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Paths of one containerd instance.
@@ -116,7 +118,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   path = "{dir}/opt"
 
 [plugins."io.containerd.cri.v1.images"]
-  snapshotter = "overlayfs"
+  snapshotter = "{CRI_SNAPSHOTTER}"
 
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{sandbox_image}"
@@ -177,11 +179,28 @@ impl Ctr {
         run(&bin, &all)
     }
 
-    /// Import an image archive (OCI layout as a tar) for the kubelet.
+    /// Import an image archive (OCI layout as a tar) for the kubelet, as
+    /// `kind load image-archive` does on a kind node (kind v0.33's
+    /// `nodeutils.LoadImageArchive`: these flags, the archive on stdin,
+    /// the snapshotter the CRI uses).
     pub(crate) fn import(&self, archive: &Path) -> Result<()> {
-        let archive = archive.display().to_string();
-        self.run(&["-n", K8S_NAMESPACE, "images", "import", &archive])
-            .map(|_| ())
+        let file = std::fs::File::open(archive)
+            .with_context(|| format!("opening {}", archive.display()))?;
+        let namespace = format!("--namespace={K8S_NAMESPACE}");
+        let snapshotter = format!("--snapshotter={CRI_SNAPSHOTTER}");
+        let args = [
+            namespace.as_str(),
+            "images",
+            "import",
+            "--all-platforms",
+            "--digests",
+            &snapshotter,
+            "-",
+        ];
+        let socket = self.socket.display().to_string();
+        let mut all = vec!["--address", socket.as_str(), "--timeout", "30s"];
+        all.extend_from_slice(&args);
+        run_with_stdin(&self.bin.display().to_string(), &all, file).map(|_| ())
     }
 
     /// Kill and delete every task and container in every namespace, so the

@@ -116,9 +116,18 @@ pub(crate) fn log_tail(path: &Path, lines: usize) -> String {
 
 /// Run a command to completion; an error carries its stderr.
 pub(crate) fn run(program: &str, args: &[&str]) -> Result<String> {
+    run_with_stdin(program, args, Stdio::null())
+}
+
+/// [`run`] with `stdin` as the command's standard input (a file).
+pub(crate) fn run_with_stdin(
+    program: &str,
+    args: &[&str],
+    stdin: impl Into<Stdio>,
+) -> Result<String> {
     let out = Command::new(program)
         .args(args)
-        .stdin(Stdio::null())
+        .stdin(stdin)
         .output()
         .with_context(|| format!("running {program}"))?;
     if !out.status.success() {
