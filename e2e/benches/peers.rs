@@ -144,39 +144,53 @@ const DEFAULT_POLICY: &str = concat!(
     "pool:\n  selector: { app: peers-sim }\n  targetPorts: [{ number: ${PORT} }]\n",
     include_str!("../../epp/policies/default.yaml")
 );
+/// An `EndpointPickerConfig` for the reference EPP: these feature gates, and
+/// one profile of these scorers (with their weights, or the loader's
+/// default). The loader fills in the picker, the profile handler and the
+/// metrics data layer.
+fn gie_config(feature_gates: &[&str], scorers: &[(&str, Option<u32>)]) -> String {
+    let mut out = String::from(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n",
+    );
+    if !feature_gates.is_empty() {
+        out.push_str("featureGates:\n");
+        for gate in feature_gates {
+            out.push_str(&format!("- {gate}\n"));
+        }
+    }
+    out.push_str("plugins:\n");
+    for (scorer, _) in scorers {
+        out.push_str(&format!("- type: {scorer}\n"));
+    }
+    out.push_str("schedulingProfiles:\n- name: default\n  plugins:\n");
+    for (scorer, weight) in scorers {
+        out.push_str(&format!("  - pluginRef: {scorer}\n"));
+        if let Some(w) = weight {
+            out.push_str(&format!("    weight: {w}\n"));
+        }
+    }
+    out
+}
+
+/// The reference EPP's default profile (v1.5.0's `loadDefaultConfig`).
+const GIE_DEFAULT_SCORERS: &[(&str, Option<u32>)] = &[
+    ("queue-scorer", Some(2)),
+    ("kv-cache-utilization-scorer", Some(2)),
+    ("prefix-cache-scorer", Some(3)),
+];
+
+/// The reference EPP with its queue scorer alone.
+fn gie_queue_config() -> String {
+    gie_config(&[], &[("queue-scorer", None)])
+}
+
 /// The reference EPP's default profile with its LoRA affinity scorer added
 /// (v1.5.0 ships it, outside the default profile), weighted as the queue.
-const GIE_LORA_CONFIG: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: lora-affinity-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: lora-affinity-scorer
-    weight: 2
-";
-/// The reference EPP with its queue scorer alone (the max-score picker, the
-/// single-profile handler and the metrics data layer are filled in by its
-/// loader).
-const GIE_QUEUE_CONFIG: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-";
+fn gie_lora_config() -> String {
+    let mut scorers = GIE_DEFAULT_SCORERS.to_vec();
+    scorers.push(("lora-affinity-scorer", Some(2)));
+    gie_config(&[], &scorers)
+}
 
 // ---------------------------------------------------------------------------
 // Command line.
@@ -390,7 +404,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
         Contender {
             name: "gie-queue",
             route: Route::Epp(Peer::Gie),
-            config: Some(GIE_QUEUE_CONFIG.into()),
+            config: Some(gie_queue_config()),
             kv_events: None,
             replicas: 1,
             what: "reference EPP, queue scorer only",
@@ -478,7 +492,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
         Contender {
             name: "gie-lora",
             route: Route::Epp(Peer::Gie),
-            config: Some(GIE_LORA_CONFIG.into()),
+            config: Some(gie_lora_config()),
             kv_events: None,
             replicas: 1,
             what: "reference EPP, default profile plus its LoRA affinity scorer (weight 2)",
@@ -486,7 +500,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
         Contender {
             name: "kinference-flow",
             route: Route::Epp(Peer::Kinference),
-            config: Some(priorities::FLOW_POLICY.into()),
+            config: Some(priorities::flow_policy()),
             kv_events: None,
             replicas: 1,
             what: "our EPP, flow control by InferenceObjective priority: Pods full at their slots in flight (one fewer for priority 0 and below), the rest wait in the EPP (`onEmpty: Wait`)",
@@ -494,7 +508,7 @@ fn contenders(args: &Args) -> Vec<Contender> {
         Contender {
             name: "gie-flow",
             route: Route::Epp(Peer::Gie),
-            config: Some(priorities::GIE_FLOW_CONFIG.into()),
+            config: Some(priorities::gie_flow_config()),
             kv_events: None,
             replicas: 1,
             what: "reference EPP, default profile with its `flowControl` feature gate",

@@ -30,8 +30,7 @@ use std::time::{Duration, Instant};
 use common::{flags, gateway, percentile, start_epp};
 use kinference_simulator::{SimConfig, SimHandle};
 use kinference_testbed::envoy::Template;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use kinference_testbed::priorities::{POSITIVE_PRIORITY, arrivals, waiting_rule};
 
 const MODEL: &str = "llama-3-8b";
 const SERVERS: usize = 2;
@@ -54,22 +53,6 @@ fn no_wait() -> String {
     )
 }
 
-/// A rule that counts a Pod full at `full_at` requests in flight and lets
-/// the rest wait.
-fn waiting_rule(name: &str, matches: &str, full_at: usize) -> String {
-    format!(
-        "  - name: {name}
-{matches}    route:
-      exclude:
-        - drop: {{ InFlight: {{ greaterThanOrEqual: {full_at} }} }}
-      select: [{{ minimize: InFlight }}]
-      tieBreak: Random
-      onEmpty: Wait
-      maxWait: 10s
-"
-    )
-}
-
 fn wait() -> String {
     let rule = waiting_rule("wait", "", SLOTS);
     format!("{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}\nrules:\n{rule}")
@@ -78,8 +61,7 @@ fn wait() -> String {
 /// `wait`, with one slot of each Pod kept for positive priorities: the
 /// others wait while a Pod has one slot left.
 fn wait_reserving() -> String {
-    let positive = "    matches: [{ priority: { greaterThan: 0 } }]\n";
-    let priority = waiting_rule("priority", positive, SLOTS);
+    let priority = waiting_rule("priority", POSITIVE_PRIORITY, SLOTS);
     let rest = waiting_rule("rest", "", SLOTS - 1);
     format!("{POOL}flowControl: {{ maxRequests: {MAX_WAITING} }}\nrules:\n{priority}{rest}")
 }
@@ -98,35 +80,25 @@ struct Planned {
 }
 
 fn workload(rate: f64, seconds: f64, seed: u64) -> Vec<Planned> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut at = 0.0;
-    let mut plan = Vec::new();
-    loop {
-        at += -(1.0 - rng.random::<f64>()).ln() / rate;
-        if at > seconds {
-            return plan;
-        }
-        let draw = rng.random::<f64>();
-        let mut acc = 0.0;
-        let priority = PRIORITIES
-            .iter()
-            .position(|&(_, _, share)| {
-                acc += share;
-                draw < acc
-            })
-            .unwrap_or(PRIORITIES.len() - 1);
-        let body = serde_json::json!({
-            "model": MODEL,
-            "messages": [{ "role": "user", "content": format!("question {} of {at:.3}", plan.len()) }],
-            "max_tokens": OUTPUT_TOKENS,
-            "stream": true,
-        });
-        plan.push(Planned {
-            at: Duration::from_secs_f64(at),
-            priority,
-            body: Arc::new(body.to_string()),
-        });
-    }
+    let shares: Vec<f64> = PRIORITIES.iter().map(|&(_, _, share)| share).collect();
+    arrivals(rate, seconds, &shares, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, arrival)| {
+            let at = arrival.at.as_secs_f64();
+            let body = serde_json::json!({
+                "model": MODEL,
+                "messages": [{ "role": "user", "content": format!("question {i} of {at:.3}") }],
+                "max_tokens": OUTPUT_TOKENS,
+                "stream": true,
+            });
+            Planned {
+                at: arrival.at,
+                priority: arrival.class,
+                body: Arc::new(body.to_string()),
+            }
+        })
+        .collect()
 }
 
 /// How one priority's requests ended.

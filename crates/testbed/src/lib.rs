@@ -14,6 +14,8 @@
 //! - [`logs`]: log lines captured in memory, for tests of what is logged.
 //! - [`peers`]: what `bench/peers/install.sh` caches (peer binaries, Qwen3's
 //!   tokenizer files), found or installed.
+//! - [`priorities`]: arrivals in priority classes and the waiting rule of
+//!   the flow-control benches.
 //! - [`load`]: what the load benchmarks share: /proc CPU accounting, phase
 //!   statistics and the phase loop.
 //! - [`prom_reference`]: a plain Prometheus text parser the EPP's own is
@@ -36,6 +38,7 @@ pub mod llmd_sim;
 pub mod load;
 pub mod logs;
 pub mod peers;
+pub mod priorities;
 pub mod proc_status;
 pub mod prom_reference;
 pub mod ttft_fit;

@@ -21,13 +21,12 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use kinference_testbed::http_client::HttpClient;
 use kinference_testbed::load::{ms, quantile, ratio};
+use kinference_testbed::priorities::{POSITIVE_PRIORITY, arrivals, waiting_rule};
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::{MODEL, NS, POOL, Report};
+use super::{APP, GIE_DEFAULT_SCORERS, MODEL, NS, POOL, Report, gie_config};
 
 /// `--workloads` name of (i), and its label in the report.
 pub const WORKLOAD: &str = "priorities";
@@ -56,52 +55,21 @@ pub fn capacity(pods: usize) -> f64 {
 
 /// Our policy: room by requests in flight, one slot per Pod kept for
 /// positive priorities, the rest waiting in the EPP by priority.
-pub const FLOW_POLICY: &str = "pool:
-  selector: { app: peers-sim }
-  targetPorts: [{ number: ${PORT} }]
-flowControl: { maxRequests: 96 }
-rules:
-  - name: priority
-    matches: [{ priority: { greaterThan: 0 } }]
-    route:
-      exclude:
-        - drop: { InFlight: { greaterThanOrEqual: 4 } }
-      select: [{ minimize: InFlight }]
-      tieBreak: Random
-      onEmpty: Wait
-      maxWait: 10s
-  - name: rest
-    route:
-      exclude:
-        - drop: { InFlight: { greaterThanOrEqual: 3 } }
-      select: [{ minimize: InFlight }]
-      tieBreak: Random
-      onEmpty: Wait
-      maxWait: 10s
-";
+pub fn flow_policy() -> String {
+    let priority = waiting_rule("priority", POSITIVE_PRIORITY, SLOTS);
+    let rest = waiting_rule("rest", "", SLOTS - 1);
+    format!(
+        "pool:\n  selector: {{ app: {APP} }}\n  targetPorts: [{{ number: ${{PORT}} }}]\nflowControl: {{ maxRequests: 96 }}\nrules:\n{priority}{rest}"
+    )
+}
 
 /// The reference EPP's default profile with its flow control layer on
 /// (v1.5.0: the `flowControl` feature gate; its default saturation
 /// detector, no global bounds, requests waiting up to the client's
 /// deadline).
-pub const GIE_FLOW_CONFIG: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-featureGates:
-- flowControl
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-";
+pub fn gie_flow_config() -> String {
+    gie_config(&["flowControl"], GIE_DEFAULT_SCORERS)
+}
 
 /// Creates the pool's InferenceObjectives.
 pub async fn create_objectives(client: &Client) -> Result<()> {
@@ -136,35 +104,25 @@ struct Planned {
 
 /// `seconds` of Poisson arrivals at `rate`, objectives drawn by share.
 fn plan(rate: f64, seconds: f64, seed: u64) -> Vec<Planned> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut at = 0.0;
-    let mut plan = Vec::new();
-    loop {
-        at += -(1.0 - rng.random::<f64>()).ln() / rate;
-        if at > seconds {
-            return plan;
-        }
-        let draw = rng.random::<f64>();
-        let mut acc = 0.0;
-        let objective = OBJECTIVES
-            .iter()
-            .position(|&(_, _, share)| {
-                acc += share;
-                draw < acc
-            })
-            .unwrap_or(OBJECTIVES.len() - 1);
-        let body = json!({
-            "model": MODEL,
-            "messages": [{ "role": "user", "content": format!("question {} at {at:.3}", plan.len()) }],
-            "max_tokens": OUTPUT_TOKENS,
-            "stream": true,
-        });
-        plan.push(Planned {
-            at: Duration::from_secs_f64(at),
-            objective,
-            body: body.to_string().into_bytes(),
-        });
-    }
+    let shares: Vec<f64> = OBJECTIVES.iter().map(|&(_, _, share)| share).collect();
+    arrivals(rate, seconds, &shares, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, arrival)| {
+            let at = arrival.at.as_secs_f64();
+            let body = json!({
+                "model": MODEL,
+                "messages": [{ "role": "user", "content": format!("question {i} at {at:.3}") }],
+                "max_tokens": OUTPUT_TOKENS,
+                "stream": true,
+            });
+            Planned {
+                at: arrival.at,
+                objective: arrival.class,
+                body: body.to_string().into_bytes(),
+            }
+        })
+        .collect()
 }
 
 /// How one objective's requests ended at one load.

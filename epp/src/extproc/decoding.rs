@@ -136,35 +136,25 @@ mod tests {
         )))
     }
 
-    #[tokio::test]
-    async fn frames_are_charged_until_delivered_and_refused_past_the_budget() {
+    /// A body of frames of `sizes` bytes, metered on a budget of `limit`,
+    /// the budget's gauge and the meter.
+    fn metered(sizes: &[usize], limit: usize) -> (MeteredBody, Gauge, DecodeMeter) {
         let used = Gauge::default();
-        let budget = BodyBudget::new(100, used.clone());
-        let meter = DecodeMeter::new(&budget);
-        let mut body = MeteredBody {
-            inner: frames(&[40, 50, 20]),
+        let meter = DecodeMeter::new(&BodyBudget::new(limit, used.clone()));
+        let body = MeteredBody {
+            inner: frames(sizes),
             meter: meter.clone(),
         };
-        assert_eq!(
-            body.frame()
-                .await
-                .unwrap()
-                .unwrap()
-                .into_data()
-                .unwrap()
-                .len(),
-            40
-        );
-        assert_eq!(
-            body.frame()
-                .await
-                .unwrap()
-                .unwrap()
-                .into_data()
-                .unwrap()
-                .len(),
-            50
-        );
+        (body, used, meter)
+    }
+
+    #[tokio::test]
+    async fn frames_are_charged_until_delivered_and_refused_past_the_budget() {
+        let (mut body, used, meter) = metered(&[40, 50, 20], 100);
+        for expected in [40, 50] {
+            let frame = body.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap().len(), expected);
+        }
         assert_eq!(used.get(), 90, "held by the decoder");
         let refused = body.frame().await.unwrap().unwrap_err();
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
@@ -175,16 +165,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_streams_charge_is_given_back_when_it_ends() {
-        let used = Gauge::default();
-        let budget = BodyBudget::new(1000, used.clone());
-        let meter = DecodeMeter::new(&budget);
-        let mut body = MeteredBody {
-            inner: frames(&[30]),
-            meter,
-        };
+        let (mut body, used, meter) = metered(&[30], 1000);
         body.frame().await.unwrap().unwrap();
         assert_eq!(used.get(), 30);
-        drop(body);
+        drop((body, meter));
         assert_eq!(used.get(), 0);
     }
 }
