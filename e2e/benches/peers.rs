@@ -2098,11 +2098,19 @@ impl Bench {
     }
 
     /// (i) runs through a gateway (the objective is a request header the
-    /// EPP reads), when not filtered out.
+    /// EPP reads), when not filtered out: for every contender when
+    /// `--workloads` names it, else for those it compares
+    /// ([`priorities::CONTENDERS`]).
     fn wants_priorities(&self, contender: &Contender) -> bool {
+        let named = self
+            .args
+            .workloads
+            .iter()
+            .any(|w| w == priorities::WORKLOAD);
         self.args.wants_workload(priorities::WORKLOAD)
             && contender.route != Route::Direct
             && contender.kv_events.is_none()
+            && (named || priorities::CONTENDERS.contains(&contender.name))
     }
 
     /// (i): every load in turn through one lane, against queued

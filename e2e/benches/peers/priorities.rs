@@ -28,6 +28,16 @@ use serde_json::json;
 
 use super::{APP, GIE_DEFAULT_SCORERS, MODEL, NS, POOL, Report, gie_config};
 
+/// The contenders (i) runs for unless `--workloads` names it: the two that
+/// act on priority, the reference without its gate, and ours without
+/// waiting.
+pub const CONTENDERS: [&str; 4] = [
+    "kinference-flow",
+    "gie-flow",
+    "gie-default",
+    "kinference-ttft",
+];
+
 /// `--workloads` name of (i), and its label in the report.
 pub const WORKLOAD: &str = "priorities";
 pub const LABEL: &str = "(i) priorities";

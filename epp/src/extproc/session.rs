@@ -389,8 +389,8 @@ impl<R: Router> Session<R> {
         let reported_ttft = headers
             .get(OBSERVED_TTFT_HEADER)
             .and_then(|v| v.parse::<f64>().ok())
-            // Negative, NaN, infinite or beyond Duration's range: ignored
-            // (found by fuzzing: 1e254 ms used to panic the session).
+            // Negative, NaN, infinite or beyond Duration's range (1e254 ms
+            // is a finite f64 and no Duration): ignored, never a panic.
             .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok());
         if let Some(routed) = &mut self.routed
             && !routed.completed

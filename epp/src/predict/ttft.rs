@@ -185,17 +185,14 @@ pub struct TtftConfig {
     pub prior_std: TtftCoefficients,
     /// Upper bounds of the coefficients.
     pub max: TtftCoefficients,
-    /// Lower bounds. A queued or running request costs a little at least:
-    /// on a pool whose TTFT barely moves with load until the batch is full
-    /// (llm-d-inference-sim's does not at all), the fit drives those
-    /// coefficients to 0, every idle and busy Pod then predicts the same
-    /// TTFT for a new prefix, and the rank-order tie sends each new group to
-    /// the first Pod until its queue shows. Prefill is never faster than
-    /// 100,000 tokens a second: a Pod the prefix index wrongly thinks cold
-    /// answers a "6,000 uncached tokens" request in cached time, and enough
-    /// of those (outliers above a prediction are clipped, below it they are
-    /// not) drove the coefficient to 0, so an idle Pod without the prefix
-    /// tied with the one holding it and groups were scattered.
+    /// Lower bounds: a queued or running request costs a little at least,
+    /// and prefill is never faster than 100,000 tokens a second. Without
+    /// them a fit reaches 0 on a pool whose TTFT barely moves with load
+    /// until the batch is full (llm-d-inference-sim's does not at all), or
+    /// from answers the prefix index wrongly counted as uncached (outliers
+    /// above a prediction are clipped, below it they are not); every Pod
+    /// then predicts the same TTFT for a new prefix, and the rank-order tie
+    /// scatters the groups.
     pub min: TtftCoefficients,
     /// Expected TTFT noise as a share of the TTFT; scales the prior
     /// covariance and seeds the residual scale used for outlier clipping.
