@@ -27,7 +27,45 @@ async fn main() -> anyhow::Result<()> {
     }
     // Compile the classifiers' patterns now, not on the first request.
     kinference_classifiers::warm_up();
-    let epp = Epp::new(Settings {
+    let epp = Epp::new(settings(&args)?);
+    // Every background task runs supervised: one that stops (returns or
+    // panics) turns readiness off (gRPC `readiness`, /readyz), is logged and
+    // is started again with backoff. Dropping `tasks` stops them all.
+    let mut tasks = Supervisor::new(epp.readiness().clone());
+    start_local_sources(&args, &epp, &mut tasks)?;
+    load_built_in_policy(&args, &epp)?;
+    if args.policy_configmap.is_some() || args.endpoints_file.is_none() {
+        let client = kube::Client::try_default()
+            .await
+            .context("connecting to the Kubernetes API")?;
+        start_kubernetes_watches(&args, &epp, &client, &mut tasks);
+    }
+    {
+        let epp = epp.clone();
+        tasks.spawn("scraper", move || AbortOnDrop::new(epp.spawn_scraper()));
+    }
+    let listeners = Listeners::bind(&args).await?;
+    enable_precise_prefix(&args, &epp)?;
+    tracing::info!(
+        address = %args.bind_address,
+        kv_events = ?args.kv_events_port,
+        kv_events_ranks = args.kv_events_data_parallel_size,
+        kv_events_dial = args.kv_events_dial,
+        kv_events_replay = ?args.kv_events_replay_port,
+        grpc = args.grpc_port,
+        health = args.grpc_health_port,
+        metrics = args.metrics_port,
+        tasks = ?tasks.names().collect::<Vec<_>>(),
+        "serving"
+    );
+    let result = serve_until_stopped(&args, &epp, listeners).await;
+    tasks.shutdown();
+    result
+}
+
+/// The EPP's settings from its flags.
+fn settings(args: &Args) -> anyhow::Result<Settings> {
+    Ok(Settings {
         ext_proc: ExtProcConfig {
             max_body_bytes: args.max_body_bytes,
             conformance_hooks: args.enable_conformance_hooks,
@@ -41,13 +79,14 @@ async fn main() -> anyhow::Result<()> {
         },
         scrape_interval: Duration::from_millis(args.scrape_interval_ms),
         secure_serving: args.secure_serving,
-        client_ca_pem: client_ca_pem(&args)?,
+        client_ca_pem: client_ca_pem(args)?,
         ..Settings::default()
-    });
-    // Every background task runs supervised: one that stops (returns or
-    // panics) turns readiness off (gRPC `readiness`, /readyz), is logged and
-    // is started again with backoff. Dropping `tasks` stops them all.
-    let mut tasks = Supervisor::new(epp.readiness().clone());
+    })
+}
+
+/// What the EPP reads from its own files: the policy file and provider
+/// keys (watched), the decision log, a static endpoints file.
+fn start_local_sources(args: &Args, epp: &Epp, tasks: &mut Supervisor) -> anyhow::Result<()> {
     if let Some(path) = args.policy_file.clone() {
         let epp = epp.clone();
         tasks.spawn("policy-file", move || {
@@ -83,129 +122,153 @@ async fn main() -> anyhow::Result<()> {
         epp.registry().replace_all(endpoints);
         epp.registry().mark_synced();
     }
-    let inference_pool = args.inference_pool();
     if let Some(name) = args.metrics_pool_name.as_ref().or(args.pool_name.as_ref()) {
         epp.picker.metrics.pool.set_pool_name(name);
     }
-    if inference_pool.is_some() && args.policy_file.is_none() && args.policy_configmap.is_none() {
+    Ok(())
+}
+
+/// Serving an InferencePool with no policy given: the built-in default.
+fn load_built_in_policy(args: &Args, epp: &Epp) -> anyhow::Result<()> {
+    let given = args.policy_file.is_some() || args.policy_configmap.is_some();
+    if args.inference_pool().is_some() && !given {
         epp.policy()
             .load_text(DEFAULT_POLICY)
             .map_err(|e| anyhow::anyhow!("the built-in default policy: {e}"))?;
         tracing::info!("serving the built-in default policy");
     }
-    if args.policy_configmap.is_some() || args.endpoints_file.is_none() {
-        let client = kube::Client::try_default()
-            .await
-            .context("connecting to the Kubernetes API")?;
-        let ns = &args.namespace;
-        if let Some(name) = args.policy_configmap.clone() {
-            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
-            tasks.spawn("policy-configmap", move || {
-                k8s::watch_policy_configmap(epp.clone(), client.clone(), ns.clone(), name.clone())
-            });
-        }
-        if let Some((pool_ns, pool)) = inference_pool {
-            let (epp, client) = (epp.clone(), client.clone());
-            tasks.spawn("discovery", move || {
-                k8s::run_inference_pool_discovery(
-                    epp.clone(),
-                    client.clone(),
-                    pool_ns.clone(),
-                    pool.clone(),
-                )
-            });
-        } else if args.endpoints_file.is_none() {
-            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
-            tasks.spawn("discovery", move || {
-                k8s::run_discovery(epp.clone(), client.clone(), ns.clone())
-            });
-        }
-        if let Some(pool) = args.metrics_pool_name.clone().or(args.pool_name.clone()) {
-            let objectives = epp.picker.objectives.clone();
-            let pool_ns = args.pool_namespace.clone().unwrap_or(ns.clone());
-            let client = client.clone();
-            tasks.spawn("objectives", move || {
-                objectives::watch_objectives(
-                    objectives.clone(),
-                    client.clone(),
-                    pool_ns.clone(),
-                    pool.clone(),
-                )
-            });
-        }
-        if args.provider_secrets_dir.is_none() {
-            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
-            tasks.spawn("provider-secrets", move || {
-                k8s::watch_provider_secrets(epp.clone(), client.clone(), ns.clone())
-            });
-        }
-        match (args.status_configmap.clone(), args.pod_name.clone()) {
-            (Some(configmap), Some(pod)) => {
-                let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
-                let target = k8s::StatusReport {
-                    configmap,
-                    pod,
-                    secrets_dir: args.provider_secrets_dir.clone(),
-                };
-                tasks.spawn("status-report", move || {
-                    k8s::report_status(epp.clone(), client.clone(), ns.clone(), target.clone())
-                });
-            }
-            (Some(_), None) => tracing::warn!(
-                "--status-configmap needs --pod-name (or POD_NAME): the loaded policy is not reported"
-            ),
-            (None, _) => {}
-        }
-    }
-    {
-        let epp = epp.clone();
-        tasks.spawn("scraper", move || AbortOnDrop::new(epp.spawn_scraper()));
-    }
+    Ok(())
+}
 
-    let at = |port| SocketAddr::new(args.bind_address, port);
-    let (grpc, health, http) = (
-        bind(at(args.grpc_port)).await?,
-        bind(at(args.grpc_health_port)).await?,
-        bind(at(args.metrics_port)).await?,
-    );
-    // Loopback only, whatever --bind-address says: see `--debug-port`.
-    let debug = match args.debug_port {
-        Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
-        None => None,
-    };
-    let kv_events = match args.kv_events_port {
-        Some(port) => {
-            let ports = events_ports(port, args.kv_events_data_parallel_size)?;
-            Some(if args.kv_events_dial {
-                Source::Dial(ports)
-            } else {
-                Source::Listen(bind_events_ports(args.bind_address, ports).await?)
-            })
-        }
-        None => None,
-    };
-    if let Some(choice) = &args.kv_events_tokenizer {
-        let tokenizer = match choice {
-            KvEventsTokenizer::SimulatorDummy => Tokenizer::simulator_dummy(),
-            KvEventsTokenizer::Directory(dir) => Tokenizer::hugging_face(dir)
-                .map_err(|e| anyhow::anyhow!("--kv-events-tokenizer: {e}"))?,
-        };
-        let budget = args.kv_events_tokenize_budget;
-        epp.picker
-            .enable_precise_prefix(PromptTokenizer::new(tokenizer, budget));
+/// What the EPP follows in the API server: its policy ConfigMap, the pool's
+/// Pods (through the InferencePool, or the policy's selector), the pool's
+/// InferenceObjectives, provider Secrets, and its status report.
+fn start_kubernetes_watches(args: &Args, epp: &Epp, client: &kube::Client, tasks: &mut Supervisor) {
+    let ns = &args.namespace;
+    if let Some(name) = args.policy_configmap.clone() {
+        let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+        tasks.spawn("policy-configmap", move || {
+            k8s::watch_policy_configmap(epp.clone(), client.clone(), ns.clone(), name.clone())
+        });
     }
-    tracing::info!(
-        address = %args.bind_address,
-        kv_events = ?args.kv_events_port,
-        kv_events_ranks = args.kv_events_data_parallel_size,
-        kv_events_dial = args.kv_events_dial,
-        kv_events_replay = ?args.kv_events_replay_port,
-        grpc = args.grpc_port,
-        health = args.grpc_health_port,
-        metrics = args.metrics_port,
-        tasks = ?tasks.names().collect::<Vec<_>>(),
-        "serving"
-    );
+    if let Some((pool_ns, pool)) = args.inference_pool() {
+        let (epp, client) = (epp.clone(), client.clone());
+        tasks.spawn("discovery", move || {
+            k8s::run_inference_pool_discovery(
+                epp.clone(),
+                client.clone(),
+                pool_ns.clone(),
+                pool.clone(),
+            )
+        });
+    } else if args.endpoints_file.is_none() {
+        let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+        tasks.spawn("discovery", move || {
+            k8s::run_discovery(epp.clone(), client.clone(), ns.clone())
+        });
+    }
+    if let Some(pool) = args.metrics_pool_name.clone().or(args.pool_name.clone()) {
+        let objectives = epp.picker.objectives.clone();
+        let pool_ns = args.pool_namespace.clone().unwrap_or(ns.clone());
+        let client = client.clone();
+        tasks.spawn("objectives", move || {
+            objectives::watch_objectives(
+                objectives.clone(),
+                client.clone(),
+                pool_ns.clone(),
+                pool.clone(),
+            )
+        });
+    }
+    if args.provider_secrets_dir.is_none() {
+        let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+        tasks.spawn("provider-secrets", move || {
+            k8s::watch_provider_secrets(epp.clone(), client.clone(), ns.clone())
+        });
+    }
+    match (args.status_configmap.clone(), args.pod_name.clone()) {
+        (Some(configmap), Some(pod)) => {
+            let (epp, client, ns) = (epp.clone(), client.clone(), ns.clone());
+            let target = k8s::StatusReport {
+                configmap,
+                pod,
+                secrets_dir: args.provider_secrets_dir.clone(),
+            };
+            tasks.spawn("status-report", move || {
+                k8s::report_status(epp.clone(), client.clone(), ns.clone(), target.clone())
+            });
+        }
+        (Some(_), None) => tracing::warn!(
+            "--status-configmap needs --pod-name (or POD_NAME): the loaded policy is not reported"
+        ),
+        (None, _) => {}
+    }
+}
+
+/// Every socket the EPP serves on, bound before it says it is serving.
+struct Listeners {
+    grpc: tokio::net::TcpListener,
+    health: tokio::net::TcpListener,
+    http: tokio::net::TcpListener,
+    debug: Option<tokio::net::TcpListener>,
+    kv_events: Option<Source>,
+}
+
+impl Listeners {
+    async fn bind(args: &Args) -> anyhow::Result<Listeners> {
+        let at = |port| SocketAddr::new(args.bind_address, port);
+        let (grpc, health, http) = (
+            bind(at(args.grpc_port)).await?,
+            bind(at(args.grpc_health_port)).await?,
+            bind(at(args.metrics_port)).await?,
+        );
+        // Loopback only, whatever --bind-address says: see `--debug-port`.
+        let debug = match args.debug_port {
+            Some(port) => Some(bind(SocketAddr::from(([127, 0, 0, 1], port))).await?),
+            None => None,
+        };
+        let kv_events = match args.kv_events_port {
+            Some(port) => {
+                let ports = events_ports(port, args.kv_events_data_parallel_size)?;
+                Some(if args.kv_events_dial {
+                    Source::Dial(ports)
+                } else {
+                    Source::Listen(bind_events_ports(args.bind_address, ports).await?)
+                })
+            }
+            None => None,
+        };
+        Ok(Listeners {
+            grpc,
+            health,
+            http,
+            debug,
+            kv_events,
+        })
+    }
+}
+
+/// Precise prefix mode, when a tokenizer is given.
+fn enable_precise_prefix(args: &Args, epp: &Epp) -> anyhow::Result<()> {
+    let Some(choice) = &args.kv_events_tokenizer else {
+        return Ok(());
+    };
+    let tokenizer = match choice {
+        KvEventsTokenizer::SimulatorDummy => Tokenizer::simulator_dummy(),
+        KvEventsTokenizer::Directory(dir) => Tokenizer::hugging_face(dir)
+            .map_err(|e| anyhow::anyhow!("--kv-events-tokenizer: {e}"))?,
+    };
+    let budget = args.kv_events_tokenize_budget;
+    epp.picker
+        .enable_precise_prefix(PromptTokenizer::new(tokenizer, budget));
+    Ok(())
+}
+
+/// Serves until SIGTERM / Ctrl-C, or until a server fails (then exits
+/// non-zero rather than run on without it). On a signal: not Ready while
+/// still serving for `--shutdown-delay`, then the open streams finish,
+/// within `--drain-timeout`.
+async fn serve_until_stopped(args: &Args, epp: &Epp, listeners: Listeners) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -213,25 +276,27 @@ async fn main() -> anyhow::Result<()> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
+    let replay = args.kv_events_replay_port.map(Replay::on_port);
     let mut servers = tokio::spawn({
         let epp = epp.clone();
         let stopped = stopped.clone();
+        let Listeners {
+            grpc,
+            health,
+            http,
+            debug,
+            kv_events,
+        } = listeners;
         async move {
             tokio::try_join!(
                 epp.serve_ext_proc(grpc, stopped()),
                 epp.serve_health(health, stopped()),
                 epp.serve_http(http, stopped()),
                 epp.serve_debug(debug, stopped()),
-                epp.serve_kv_events(
-                    kv_events,
-                    args.kv_events_replay_port.map(Replay::on_port),
-                    stopped()
-                ),
+                epp.serve_kv_events(kv_events, replay, stopped()),
             )
         }
     });
-    // Until SIGTERM / Ctrl-C, or until a server fails (then exit non-zero
-    // rather than run on without it).
     let failed = tokio::select! {
         _ = shutdown_signal() => None,
         result = &mut servers => Some(result),
@@ -257,7 +322,6 @@ async fn main() -> anyhow::Result<()> {
             )
         }
     };
-    tasks.shutdown();
     match result {
         Ok(Ok(Ok(_))) if early => Err(anyhow::anyhow!("the servers stopped unasked")),
         Ok(Ok(Ok(_))) => Ok(()),
