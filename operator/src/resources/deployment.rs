@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
-use kinference_api::{EppLogFormat, InferencePolicy, POLICY_LABEL};
+use kinference_api::{EndpointPickerSpec, EppLogFormat, InferencePolicy, POLICY_LABEL};
 use kinference_policy::CompiledPolicy;
 use kinference_policy::spec::DEFAULT_SECRET_KEY;
 
@@ -101,73 +101,112 @@ pub fn deployment(
     let mut pod_labels = common_labels(&names.policy);
     pod_labels.extend(epp_object_labels(names));
     pod_labels.extend(epp_selector(names));
-    let ns = policy.metadata.namespace.clone().unwrap_or_default();
-
-    let field_env = |name: &str, path: &str| EnvVar {
-        name: name.into(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: path.into(),
-                ..ObjectFieldSelector::default()
-            }),
-            ..EnvVarSource::default()
+    let tuned = policy.spec.endpoint_picker().cloned().unwrap_or_default();
+    let mut parts = PodParts::new(policy, names);
+    parts.provider_secrets(compiled);
+    parts.client_ca(policy);
+    parts.tuning(&tuned);
+    parts.precise_prefix(policy);
+    let PodParts {
+        args,
+        mounts,
+        volumes,
+        ports,
+    } = parts;
+    let container = Container {
+        args: Some(args),
+        ports: Some(ports),
+        volume_mounts: Some(mounts),
+        ..epp_container(&epp.image, &tuned)
+    };
+    Deployment {
+        metadata: object_meta(policy, &epp_name, epp_object_labels(names)),
+        spec: Some(DeploymentSpec {
+            // Unset: not ours, so server-side apply leaves an HPA's number.
+            replicas: epp.replicas_for(policy),
+            selector: LabelSelector {
+                match_labels: Some(epp_selector(names)),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                // Deliberately no policy hash here: the EPP reloads its policy
+                // from the ConfigMap, so a policy change must not roll Pods.
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    service_account_name: Some(epp_name.clone()),
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    ..pod_spec(names, &tuned)
+                }),
+            },
+            ..DeploymentSpec::default()
         }),
-        ..EnvVar::default()
-    };
-    let port = |name: &str, number: i32| ContainerPort {
-        name: Some(name.into()),
-        container_port: number,
-        protocol: Some("TCP".into()),
-        ..ContainerPort::default()
-    };
-    let grpc_probe = |service: &str, period: i32| Probe {
-        grpc: Some(GRPCAction {
-            port: EPP_HEALTH_PORT,
-            service: Some(service.into()),
-        }),
-        period_seconds: Some(period),
-        failure_threshold: Some(3),
-        timeout_seconds: Some(1),
-        ..Probe::default()
-    };
-    let quantity = |s: &str| Quantity(s.into());
-    let mount = |name: &str, path: &str, read_only: bool| VolumeMount {
-        name: name.into(),
-        mount_path: path.into(),
-        read_only: read_only.then_some(true),
-        ..VolumeMount::default()
-    };
-
-    let mut args = vec![
-        format!("--policy-configmap={}", names.config_map()),
-        format!("--namespace={ns}"),
-        // Expanded by the kubelet from the downward-API env below: the EPP
-        // reports the policy hash it has loaded under its own Pod name.
-        "--pod-name=$(POD_NAME)".into(),
-        format!("--status-configmap={}", names.epp_status()),
-        // Always files, never the API: the EPP's Role grants no Secrets.
-        format!("--provider-secrets-dir={PROVIDER_SECRETS_DIR}"),
-        // The Inference Extension's `inference_pool_*` series name the pool.
-        format!("--metrics-pool-name={}", names.pool()),
-    ];
-    // An attached policy has no pool of its own: the EPP follows the
-    // existing InferencePool's selector and target ports.
-    if let Some(pool) = &names.attached_pool {
-        args.push(format!("--pool-name={pool}"));
-        args.push(format!("--pool-namespace={ns}"));
+        status: None,
     }
-    // The root filesystem is read-only; /tmp is the one writable place
-    // (e.g. for a generated self-signed certificate).
-    let mut mounts = vec![mount("tmp", "/tmp", false)];
-    let mut volumes = vec![Volume {
-        name: "tmp".into(),
-        empty_dir: Some(EmptyDirVolumeSource::default()),
-        ..Volume::default()
-    }];
-    let secret_keys = provider_secret_keys(compiled);
-    if !secret_keys.is_empty() {
-        mounts.push(mount("provider-secrets", PROVIDER_SECRETS_DIR, true));
-        volumes.push(Volume {
+}
+
+/// What the EPP container's arguments, mounts and ports, and the Pod's
+/// volumes, are made of: each feature of the policy adds its own.
+struct PodParts {
+    args: Vec<String>,
+    mounts: Vec<VolumeMount>,
+    volumes: Vec<Volume>,
+    ports: Vec<ContainerPort>,
+}
+
+impl PodParts {
+    /// What every EPP has: its policy, status and provider-key sources, and
+    /// a writable /tmp.
+    fn new(policy: &InferencePolicy, names: &Names) -> PodParts {
+        let ns = policy.metadata.namespace.clone().unwrap_or_default();
+        let mut args = vec![
+            format!("--policy-configmap={}", names.config_map()),
+            format!("--namespace={ns}"),
+            // Expanded by the kubelet from the downward-API env below: the EPP
+            // reports the policy hash it has loaded under its own Pod name.
+            "--pod-name=$(POD_NAME)".into(),
+            format!("--status-configmap={}", names.epp_status()),
+            // Always files, never the API: the EPP's Role grants no Secrets.
+            format!("--provider-secrets-dir={PROVIDER_SECRETS_DIR}"),
+            // The Inference Extension's `inference_pool_*` series name the pool.
+            format!("--metrics-pool-name={}", names.pool()),
+        ];
+        // An attached policy has no pool of its own: the EPP follows the
+        // existing InferencePool's selector and target ports.
+        if let Some(pool) = &names.attached_pool {
+            args.push(format!("--pool-name={pool}"));
+            args.push(format!("--pool-namespace={ns}"));
+        }
+        // The root filesystem is read-only; /tmp is the one writable place
+        // (e.g. for a generated self-signed certificate).
+        PodParts {
+            args,
+            mounts: vec![mount("tmp", "/tmp", false)],
+            volumes: vec![Volume {
+                name: "tmp".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            }],
+            ports: vec![
+                port("grpc", EPP_GRPC_PORT),
+                port("grpc-health", EPP_HEALTH_PORT),
+                port("metrics", EPP_METRICS_PORT),
+            ],
+        }
+    }
+
+    /// The provider keys the policy reads, projected as files.
+    fn provider_secrets(&mut self, compiled: &CompiledPolicy) {
+        let secret_keys = provider_secret_keys(compiled);
+        if secret_keys.is_empty() {
+            return;
+        }
+        self.mounts
+            .push(mount("provider-secrets", PROVIDER_SECRETS_DIR, true));
+        self.volumes.push(Volume {
             name: "provider-secrets".into(),
             projected: Some(ProjectedVolumeSource {
                 default_mode: Some(SECRET_FILE_MODE),
@@ -198,10 +237,16 @@ pub fn deployment(
             ..Volume::default()
         });
     }
-    if let Some(ca) = policy.spec.client_ca() {
-        args.push(format!("--client-ca-file={CLIENT_CA_DIR}/{CLIENT_CA_FILE}"));
-        mounts.push(mount("client-ca", CLIENT_CA_DIR, true));
-        volumes.push(Volume {
+
+    /// The gateways' client CA, for mTLS on ext_proc.
+    fn client_ca(&mut self, policy: &InferencePolicy) {
+        let Some(ca) = policy.spec.client_ca() else {
+            return;
+        };
+        self.args
+            .push(format!("--client-ca-file={CLIENT_CA_DIR}/{CLIENT_CA_FILE}"));
+        self.mounts.push(mount("client-ca", CLIENT_CA_DIR, true));
+        self.volumes.push(Volume {
             name: "client-ca".into(),
             // Not optional: without its CA the EPP could not start, and a
             // Pod stuck on the mount says why in its Events.
@@ -218,38 +263,48 @@ pub fn deployment(
             ..Volume::default()
         });
     }
-    let tuned = policy.spec.endpoint_picker().cloned().unwrap_or_default();
-    if tuned.log_format == Some(EppLogFormat::Text) {
-        args.push("--log-format=text".into());
-    }
-    if let Some(bytes) = tuned.decision_log.as_ref().and_then(decision_log_bytes) {
-        args.push(format!(
-            "--decision-log={DECISION_LOG_DIR}/{DECISION_LOG_FILE}"
-        ));
-        args.push(format!("--decision-log-max-bytes={bytes}"));
-        if let Some(sample) = tuned.decision_log.as_ref().and_then(|d| d.sample) {
-            args.push(format!("--decision-log-sample={sample}"));
+
+    /// `spec.endpointPicker`'s log format, decision log and scrape interval.
+    fn tuning(&mut self, tuned: &EndpointPickerSpec) {
+        if tuned.log_format == Some(EppLogFormat::Text) {
+            self.args.push("--log-format=text".into());
         }
-        mounts.push(mount("decision-log", DECISION_LOG_DIR, false));
-        volumes.push(Volume {
-            name: "decision-log".into(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                // The log's own bound, and room for the write buffer: the
-                // kubelet evicts a Pod over its volume's limit.
-                size_limit: Some(quantity(&(bytes + (1 << 20)).to_string())),
-                ..EmptyDirVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
+        if let Some(bytes) = tuned.decision_log.as_ref().and_then(decision_log_bytes) {
+            self.args.push(format!(
+                "--decision-log={DECISION_LOG_DIR}/{DECISION_LOG_FILE}"
+            ));
+            self.args.push(format!("--decision-log-max-bytes={bytes}"));
+            if let Some(sample) = tuned.decision_log.as_ref().and_then(|d| d.sample) {
+                self.args.push(format!("--decision-log-sample={sample}"));
+            }
+            self.mounts
+                .push(mount("decision-log", DECISION_LOG_DIR, false));
+            self.volumes.push(Volume {
+                name: "decision-log".into(),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    // The log's own bound, and room for the write buffer: the
+                    // kubelet evicts a Pod over its volume's limit.
+                    size_limit: Some(Quantity((bytes + (1 << 20)).to_string())),
+                    ..EmptyDirVolumeSource::default()
+                }),
+                ..Volume::default()
+            });
+        }
+        if let Some(interval) = tuned
+            .scrape_interval
+            .as_deref()
+            .and_then(scrape_interval_ms)
+        {
+            self.args.push(format!("--scrape-interval-ms={interval}"));
+        }
     }
-    if let Some(interval) = tuned
-        .scrape_interval
-        .as_deref()
-        .and_then(scrape_interval_ms)
-    {
-        args.push(format!("--scrape-interval-ms={interval}"));
-    }
-    if let Some(precise) = policy.spec.precise_prefix() {
+
+    /// Precise prefix mode: the events flags and ports, and the tokenizer.
+    fn precise_prefix(&mut self, policy: &InferencePolicy) {
+        let Some(precise) = policy.spec.precise_prefix() else {
+            return;
+        };
+        let args = &mut self.args;
         args.push(format!("--kv-events-port={}", precise.events_port()));
         args.push(format!("--kv-events-tokenizer={TOKENIZER_DIR}"));
         if !precise.epp_listens() {
@@ -270,11 +325,11 @@ pub fn deployment(
         // An image volume: read-only, pulled and cached by the kubelet like
         // any image, with the Pod's pull secrets; no init container copying
         // 11 MB into an emptyDir, and no download from a model hub at start.
-        mounts.push(VolumeMount {
+        self.mounts.push(VolumeMount {
             sub_path: precise.tokenizer.path.clone().filter(|p| !p.is_empty()),
             ..mount("tokenizer", TOKENIZER_DIR, true)
         });
-        volumes.push(Volume {
+        self.volumes.push(Volume {
             name: "tokenizer".into(),
             image: Some(ImageVolumeSource {
                 reference: Some(precise.tokenizer.image.clone()),
@@ -282,25 +337,20 @@ pub fn deployment(
             }),
             ..Volume::default()
         });
-    }
-    let mut ports = vec![
-        port("grpc", EPP_GRPC_PORT),
-        port("grpc-health", EPP_HEALTH_PORT),
-        port("metrics", EPP_METRICS_PORT),
-    ];
-    if let Some(precise) = policy.spec.precise_prefix() {
-        ports.extend(
+        self.ports.extend(
             super::events_ports(precise)
                 .iter()
                 .map(|(name, number)| port(name, *number)),
         );
     }
+}
 
-    let container = Container {
+/// The EPP container but for its arguments, ports and mounts.
+fn epp_container(image: &str, tuned: &EndpointPickerSpec) -> Container {
+    Container {
         name: "epp".into(),
-        image: Some(epp.image.clone()),
+        image: Some(image.to_string()),
         image_pull_policy: Some("IfNotPresent".into()),
-        args: Some(args),
         env: Some(
             [
                 Some(field_env("POD_NAME", "metadata.name")),
@@ -315,7 +365,6 @@ pub fn deployment(
             .flatten()
             .collect(),
         ),
-        ports: Some(ports),
         readiness_probe: Some(grpc_probe("readiness", 5)),
         liveness_probe: Some(grpc_probe("liveness", 10)),
         // No CPU limit by default: the EPP sits on every request's latency
@@ -327,10 +376,13 @@ pub fn deployment(
                 .clone()
                 .unwrap_or_else(|| ResourceRequirements {
                     requests: Some(BTreeMap::from([
-                        ("cpu".to_string(), quantity("250m")),
-                        ("memory".to_string(), quantity("256Mi")),
+                        ("cpu".to_string(), Quantity("250m".into())),
+                        ("memory".to_string(), Quantity("256Mi".into())),
                     ])),
-                    limits: Some(BTreeMap::from([("memory".to_string(), quantity("1Gi"))])),
+                    limits: Some(BTreeMap::from([(
+                        "memory".to_string(),
+                        Quantity("1Gi".into()),
+                    )])),
                     ..ResourceRequirements::default()
                 }),
         ),
@@ -344,59 +396,84 @@ pub fn deployment(
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: Some(mounts),
         ..Container::default()
-    };
+    }
+}
 
-    Deployment {
-        metadata: object_meta(policy, &epp_name, epp_object_labels(names)),
-        spec: Some(DeploymentSpec {
-            // Unset: not ours, so server-side apply leaves an HPA's number.
-            replicas: epp.replicas_for(policy),
-            selector: LabelSelector {
-                match_labels: Some(epp_selector(names)),
-                ..LabelSelector::default()
-            },
-            template: PodTemplateSpec {
-                // Deliberately no policy hash here: the EPP reloads its policy
-                // from the ConfigMap, so a policy change must not roll Pods.
-                metadata: Some(ObjectMeta {
-                    labels: Some(pod_labels),
-                    ..ObjectMeta::default()
-                }),
-                spec: Some(PodSpec {
-                    service_account_name: Some(epp_name.clone()),
-                    containers: vec![container],
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(RUN_AS_USER),
-                        run_as_group: Some(RUN_AS_USER),
-                        // Mounted Secret files belong to this group, so the
-                        // EPP can read them with mode 0440.
-                        fs_group: Some(RUN_AS_USER),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..SeccompProfile::default()
-                        }),
-                        ..PodSecurityContext::default()
-                    }),
-                    volumes: Some(volumes),
-                    topology_spread_constraints: Some(
-                        tuned
-                            .topology_spread_constraints
-                            .clone()
-                            .unwrap_or_else(|| vec![spread_over_nodes(names)]),
-                    ),
-                    node_selector: tuned.node_selector.clone(),
-                    tolerations: tuned.tolerations.clone(),
-                    affinity: tuned.affinity.clone(),
-                    priority_class_name: tuned.priority_class_name.clone(),
-                    ..PodSpec::default()
-                }),
-            },
-            ..DeploymentSpec::default()
+/// The EPP Pod's security context and scheduling, but for its containers,
+/// service account and volumes.
+fn pod_spec(names: &Names, tuned: &EndpointPickerSpec) -> PodSpec {
+    PodSpec {
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(RUN_AS_USER),
+            run_as_group: Some(RUN_AS_USER),
+            // Mounted Secret files belong to this group, so the
+            // EPP can read them with mode 0440.
+            fs_group: Some(RUN_AS_USER),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..SeccompProfile::default()
+            }),
+            ..PodSecurityContext::default()
         }),
-        status: None,
+        topology_spread_constraints: Some(
+            tuned
+                .topology_spread_constraints
+                .clone()
+                .unwrap_or_else(|| vec![spread_over_nodes(names)]),
+        ),
+        node_selector: tuned.node_selector.clone(),
+        tolerations: tuned.tolerations.clone(),
+        affinity: tuned.affinity.clone(),
+        priority_class_name: tuned.priority_class_name.clone(),
+        ..PodSpec::default()
+    }
+}
+
+/// An env var from the Pod's own fields (downward API).
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn port(name: &str, number: i32) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.into()),
+        container_port: number,
+        protocol: Some("TCP".into()),
+        ..ContainerPort::default()
+    }
+}
+
+fn grpc_probe(service: &str, period: i32) -> Probe {
+    Probe {
+        grpc: Some(GRPCAction {
+            port: EPP_HEALTH_PORT,
+            service: Some(service.into()),
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(3),
+        timeout_seconds: Some(1),
+        ..Probe::default()
+    }
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
     }
 }
 
