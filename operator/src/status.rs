@@ -109,114 +109,169 @@ pub fn compute(
     now: Timestamp,
 ) -> InferencePolicyStatus {
     let generation = obs.generation;
-    let (accepted, pool, rules, policy_hash) = match &obs.acceptance {
+    let Described {
+        pool,
+        rules,
+        policy_hash,
+    } = described(prev, obs);
+    let accepted = accepted(&obs.acceptance);
+    let ready = ready(obs, policy_hash.as_deref());
+    let (stalled, reconciling) = progress(&accepted, &ready);
+    let known = |(ok, reason, message): Verdict| (Some(ok), reason, message);
+    let conditions = [
+        (CONDITION_ACCEPTED, known(accepted)),
+        (CONDITION_RESOLVED_REFS, resolved_refs(&obs.refs)),
+        (CONDITION_READY, known(ready)),
+        (CONDITION_RECONCILING, known(reconciling)),
+        (CONDITION_STALLED, known(stalled)),
+    ]
+    .into_iter()
+    .map(|(type_, verdict)| to_condition(prev, type_, verdict, generation, now))
+    .collect();
+    InferencePolicyStatus {
+        observed_generation: generation,
+        conditions,
+        pool,
+        rules,
+        policy_hash,
+    }
+}
+
+/// A condition's status, reason and message.
+type Verdict = (bool, &'static str, String);
+/// A [`Verdict`] that may be Unknown (`None`).
+type MaybeVerdict = (Option<bool>, &'static str, String);
+
+/// What the status says of the policy the EPP is given.
+struct Described {
+    pool: Option<String>,
+    rules: Option<i32>,
+    policy_hash: Option<String>,
+}
+
+/// The accepted policy's pool, rule count and hash. A rejected generation
+/// leaves the last accepted policy's, which is what the EPP keeps serving.
+fn described(prev: Option<&InferencePolicyStatus>, obs: &Observation) -> Described {
+    match &obs.acceptance {
+        Acceptance::Accepted {
+            hash, rules, pool, ..
+        } => Described {
+            pool: Some(pool.clone()),
+            rules: Some(i32::try_from(*rules).unwrap_or(i32::MAX)),
+            policy_hash: Some(hash.clone()),
+        },
+        Acceptance::Rejected { .. } => Described {
+            pool: prev.and_then(|p| p.pool.clone()),
+            rules: prev.and_then(|p| p.rules),
+            policy_hash: prev
+                .and_then(|p| p.policy_hash.clone())
+                .or_else(|| obs.configured_hash.clone()),
+        },
+    }
+}
+
+/// `Accepted`: whether the policy compiled, and what it holds or why not.
+fn accepted(acceptance: &Acceptance) -> Verdict {
+    match acceptance {
         Acceptance::Accepted {
             hash,
             rules,
             providers,
-            pool,
             warnings,
+            ..
         } => (
-            (
-                true,
-                if warnings.is_empty() {
-                    REASON_ACCEPTED
-                } else {
-                    REASON_ACCEPTED_WITH_WARNINGS
-                },
-                truncate(
-                    &format!(
-                        "policy compiled: {rules} rule{}, {providers} provider{}; hash {}{}",
-                        plural(*rules),
-                        plural(*providers),
-                        short(hash),
-                        warnings_suffix(warnings)
-                    ),
-                    MAX_MESSAGE,
+            true,
+            if warnings.is_empty() {
+                REASON_ACCEPTED
+            } else {
+                REASON_ACCEPTED_WITH_WARNINGS
+            },
+            truncate(
+                &format!(
+                    "policy compiled: {rules} rule{}, {providers} provider{}; hash {}{}",
+                    plural(*rules),
+                    plural(*providers),
+                    short(hash),
+                    warnings_suffix(warnings)
                 ),
+                MAX_MESSAGE,
             ),
-            Some(pool.clone()),
-            Some(i32::try_from(*rules).unwrap_or(i32::MAX)),
-            Some(hash.clone()),
         ),
-        // pool, rules and policyHash keep describing the last accepted policy,
-        // which is what the EPP keeps serving.
         Acceptance::Rejected { errors } => (
-            (
-                false,
-                REASON_INVALID_POLICY,
-                truncate(&errors.join("; "), MAX_MESSAGE),
-            ),
-            prev.and_then(|p| p.pool.clone()),
-            prev.and_then(|p| p.rules),
-            prev.and_then(|p| p.policy_hash.clone())
-                .or_else(|| obs.configured_hash.clone()),
+            false,
+            REASON_INVALID_POLICY,
+            truncate(&errors.join("; "), MAX_MESSAGE),
         ),
-    };
+    }
+}
 
-    let refs = &obs.refs;
-    let resolved = if refs.missing_secrets.is_empty()
+/// `ResolvedRefs`: every Secret key, Gateway and InferencePool the policy
+/// names exists; Unknown while no EPP Pod has reported on the Secrets.
+fn resolved_refs(refs: &RefReport) -> MaybeVerdict {
+    let all_found = refs.missing_secrets.is_empty()
         && refs.missing_gateways.is_empty()
-        && refs.missing_pool.is_none()
-    {
-        if refs.unchecked_secrets.is_empty() {
-            (
-                Some(true),
-                REASON_RESOLVED_REFS,
-                "all referenced Secrets and Gateways exist".to_string(),
-            )
-        } else {
-            (
-                None,
-                REASON_SECRETS_NOT_CHECKED,
-                format!(
-                    "no EPP Pod has reported on the provider Secret key{} {} in namespace {} yet \
-                     (the EPP reads them; the operator has no access to Secrets)",
-                    plural(refs.unchecked_secrets.len()),
-                    refs.unchecked_secrets.join(", "),
-                    refs.namespace
-                ),
-            )
-        }
+        && refs.missing_pool.is_none();
+    if all_found && refs.unchecked_secrets.is_empty() {
+        return (
+            Some(true),
+            REASON_RESOLVED_REFS,
+            "all referenced Secrets and Gateways exist".to_string(),
+        );
+    }
+    if all_found {
+        return (
+            None,
+            REASON_SECRETS_NOT_CHECKED,
+            format!(
+                "no EPP Pod has reported on the provider Secret key{} {} in namespace {} yet \
+                 (the EPP reads them; the operator has no access to Secrets)",
+                plural(refs.unchecked_secrets.len()),
+                refs.unchecked_secrets.join(", "),
+                refs.namespace
+            ),
+        );
+    }
+    let mut parts = Vec::new();
+    if !refs.missing_secrets.is_empty() {
+        parts.push(format!(
+            "Secret key{} missing or empty in namespace {}: {}",
+            plural(refs.missing_secrets.len()),
+            refs.namespace,
+            refs.missing_secrets.join(", ")
+        ));
+    }
+    if !refs.missing_gateways.is_empty() {
+        parts.push(format!(
+            "Gateway{} not found: {}",
+            plural(refs.missing_gateways.len()),
+            refs.missing_gateways.join(", ")
+        ));
+    }
+    if let Some(pool) = &refs.missing_pool {
+        parts.push(format!("InferencePool not found: {pool}"));
+    }
+    if !refs.unchecked_secrets.is_empty() {
+        parts.push(format!(
+            "not reported by an EPP Pod yet: {}",
+            refs.unchecked_secrets.join(", ")
+        ));
+    }
+    let reason = if !refs.missing_secrets.is_empty() {
+        REASON_SECRET_NOT_FOUND
+    } else if refs.missing_pool.is_some() {
+        REASON_POOL_NOT_FOUND
     } else {
-        let mut parts = Vec::new();
-        if !refs.missing_secrets.is_empty() {
-            parts.push(format!(
-                "Secret key{} missing or empty in namespace {}: {}",
-                plural(refs.missing_secrets.len()),
-                refs.namespace,
-                refs.missing_secrets.join(", ")
-            ));
-        }
-        if !refs.missing_gateways.is_empty() {
-            parts.push(format!(
-                "Gateway{} not found: {}",
-                plural(refs.missing_gateways.len()),
-                refs.missing_gateways.join(", ")
-            ));
-        }
-        if let Some(pool) = &refs.missing_pool {
-            parts.push(format!("InferencePool not found: {pool}"));
-        }
-        if !refs.unchecked_secrets.is_empty() {
-            parts.push(format!(
-                "not reported by an EPP Pod yet: {}",
-                refs.unchecked_secrets.join(", ")
-            ));
-        }
-        let reason = if !refs.missing_secrets.is_empty() {
-            REASON_SECRET_NOT_FOUND
-        } else if refs.missing_pool.is_some() {
-            REASON_POOL_NOT_FOUND
-        } else {
-            REASON_GATEWAY_NOT_FOUND
-        };
-        (Some(false), reason, parts.join("; "))
+        REASON_GATEWAY_NOT_FOUND
     };
+    (Some(false), reason, parts.join("; "))
+}
 
+/// `Ready`: an available EPP replica reports the accepted policy as loaded.
+/// `last_accepted`: the hash the status describes.
+fn ready(obs: &Observation, last_accepted: Option<&str>) -> Verdict {
     let epp = &obs.epp;
     let serving = |hash: &str| epp.available_replicas >= 1 && epp.loaded_hashes.contains(hash);
-    let ready = match &obs.acceptance {
+    match &obs.acceptance {
         Acceptance::Accepted { .. } if let Some((reason, message)) = &obs.apply_failure => {
             (false, *reason, truncate(message, MAX_MESSAGE))
         }
@@ -250,7 +305,7 @@ pub fn compute(
         Acceptance::Rejected { .. } => {
             let mut message =
                 "this generation of the policy is invalid (see the Accepted condition)".to_string();
-            match policy_hash.as_deref() {
+            match last_accepted {
                 Some(last) if serving(last) => message.push_str(&format!(
                     "; the EPP keeps serving the last accepted policy {}",
                     short(last)
@@ -263,47 +318,36 @@ pub fn compute(
             }
             (false, REASON_INVALID_POLICY, message)
         }
+    }
+}
+
+/// The condition `type_` says `verdict` for `generation`; its transition
+/// time is kept from `prev` while its status stays.
+fn to_condition(
+    prev: Option<&InferencePolicyStatus>,
+    type_: &str,
+    (ok, reason, message): MaybeVerdict,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    let status = match ok {
+        Some(true) => "True",
+        Some(false) => "False",
+        None => "Unknown",
     };
-
-    let (stalled, reconciling) = progress(&accepted, &ready);
-    let known = |(ok, reason, message): (bool, &'static str, String)| (Some(ok), reason, message);
-    let conditions = [
-        (CONDITION_ACCEPTED, known(accepted)),
-        (CONDITION_RESOLVED_REFS, resolved),
-        (CONDITION_READY, known(ready)),
-        (CONDITION_RECONCILING, known(reconciling)),
-        (CONDITION_STALLED, known(stalled)),
-    ]
-    .into_iter()
-    .map(|(type_, (ok, reason, message))| {
-        let status = match ok {
-            Some(true) => "True",
-            Some(false) => "False",
-            None => "Unknown",
-        };
-        let since = condition(prev, type_)
-            .filter(|c| c.status == status)
-            .map(|c| c.last_transition_time.clone())
-            // Whole seconds: that is all the API stores, so a time we write
-            // compares equal to the one we read back.
-            .unwrap_or_else(|| Time(Timestamp::from_second(now.as_second()).unwrap_or(now)));
-        Condition {
-            type_: type_.to_string(),
-            status: status.to_string(),
-            reason: reason.to_string(),
-            message,
-            observed_generation: generation,
-            last_transition_time: since,
-        }
-    })
-    .collect();
-
-    InferencePolicyStatus {
+    let since = condition(prev, type_)
+        .filter(|c| c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        // Whole seconds: that is all the API stores, so a time we write
+        // compares equal to the one we read back.
+        .unwrap_or_else(|| Time(Timestamp::from_second(now.as_second()).unwrap_or(now)));
+    Condition {
+        type_: type_.to_string(),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        message,
         observed_generation: generation,
-        conditions,
-        pool,
-        rules,
-        policy_hash,
+        last_transition_time: since,
     }
 }
 
@@ -329,7 +373,6 @@ fn not_attached(attachment: Option<&Attached>) -> Option<String> {
 /// loading the policy, an apply to retry); neither once ready. Flux and
 /// Argo CD read them: invalid → Failed, under way → InProgress, ready →
 /// Current. An invalid policy's `Stalled` says its errors, as `Accepted`.
-type Verdict = (bool, &'static str, String);
 fn progress(accepted: &Verdict, ready: &Verdict) -> (Verdict, Verdict) {
     let (ok, reason, message) = ready;
     let stalls = matches!(*reason, REASON_INVALID_POLICY | REASON_CONFLICT);
