@@ -775,3 +775,83 @@ fn session_affinity_is_checked_with_its_paths() {
     );
     assert_eq!(affinity.ttl, std::time::Duration::from_secs(600));
 }
+
+/// `minimize: PredictedTTFT` ranks by the prediction plus the placement
+/// terms and the trace shows each by name; a predicate on `PredictedTTFT`
+/// reads the prediction alone.
+#[test]
+fn predicted_ttft_ranks_with_its_placement_terms_and_predicates_read_the_prediction() {
+    use kinference_policy::eval::{Placement, PlacementTerm};
+    let placed = |name: &str, predicted: f64, terms: &[(PlacementTerm, f64)]| {
+        let mut placement = Placement::default();
+        for &(term, seconds) in terms {
+            placement.add(term, seconds);
+        }
+        Candidate {
+            placement,
+            cached_prefix_source: Some(PrefixSource::Estimate),
+            ..with(local(name, "m"), |m| m.predicted_ttft = Some(predicted))
+        }
+    };
+    let cands = [
+        // The fastest for this request, but short of room for its group.
+        placed("a", 0.040, &[(PlacementTerm::Room, 0.100)]),
+        placed("bb", 0.090, &[]),
+        // A new replica: its prefill shared with the requests that follow.
+        placed(
+            "ccc",
+            0.400,
+            &[
+                (PlacementTerm::ReplicaShare, -0.350),
+                (PlacementTerm::ReplicaEvictions, 0.020),
+            ],
+        ),
+    ];
+    let ranked =
+        policy("rules:\n  - name: r\n    route: { select: [{ minimize: PredictedTTFT }] }\n");
+    let mut trace = Trace::default();
+    let mut rng = StdRng::seed_from_u64(0);
+    let (d, _) = evaluate_with(
+        &ranked,
+        &request("m"),
+        &cands,
+        &mut rng,
+        &mut trace,
+        |_| vec![],
+    );
+    let Decision::Route(r) = d else {
+        panic!("{d:?}")
+    };
+    assert_eq!(cands[r.winner].endpoint, "ccc");
+    let ranking: Vec<String> = trace.rules[0].tiers[0]
+        .ranking
+        .iter()
+        .map(|(c, v)| format!("{c} {v}"))
+        .collect();
+    insta::assert_debug_snapshot!(ranking, @r#"
+    [
+        "ccc:m 70ms (estimate) = predicted 400ms - replicaShare 350ms + replicaEvictions 20ms",
+        "bb:m 90ms (estimate)",
+        "a:m 140ms (estimate) = predicted 40ms + room 100ms",
+    ]
+    "#);
+    // An SLO bounds the request's own TTFT: `a` is within it, `ccc` is not.
+    let bounded = policy(
+        "rules:\n  - name: r\n    route:\n      exclude: [{ drop: { PredictedTTFT: { greaterThan: 100ms } } }]\n      select: [{ maximize: CachedPrefixTokens }, { type: Local }]\n",
+    );
+    let mut trace = Trace::default();
+    evaluate_with(
+        &bounded,
+        &request("m"),
+        &cands,
+        &mut rng,
+        &mut trace,
+        |_| vec![],
+    );
+    let dropped: Vec<&str> = trace.rules[0]
+        .dropped
+        .iter()
+        .map(|d| d.candidate.as_str())
+        .collect();
+    assert_eq!(dropped, ["ccc:m"]);
+}

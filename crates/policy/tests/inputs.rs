@@ -87,7 +87,8 @@ fn the_known_fields_are_exactly_what_a_full_candidate_writes() {
         "QueueDepth": 1, "RunningRequests": 1, "KVCacheUtilization": 0.5,
         "CachedPrefixTokens": 10, "PredictedTTFT": "1ms", "ObservedTTFT": "1ms",
         "ErrorRate": 0.1, "Cost": 0.1, "contextWindow": 8192, "loraLoaded": 1,
-        "loraSlotsFree": 2, "InFlight": 3, "cachedPrefixSource": "events"
+        "loraSlotsFree": 2, "InFlight": 3, "cachedPrefixSource": "events",
+        "placement": { "room": "20ms", "replicaShare": "-300ms" }
     }]))
     .unwrap();
     let written = serde_json::to_value(&full[0]).unwrap();
@@ -107,5 +108,9 @@ fn the_known_fields_are_exactly_what_a_full_candidate_writes() {
     keys.sort_unstable();
     known.sort_unstable();
     assert_eq!(keys, known);
+    assert_eq!(
+        written["placement"],
+        json!({ "room": "20ms", "replicaShare": "-300ms" })
+    );
     let _: &Candidate = &full[0];
 }

@@ -8,6 +8,8 @@ use crate::attr::{CandidateAttr, CandidateType, Metric, RequestAttr};
 use crate::duration::parse_duration;
 use crate::model::ClassifierSet;
 
+use super::placement::Placement;
+
 /// Request attributes (SPEC.md section 3).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -178,6 +180,9 @@ pub struct Candidate {
     /// policies read.
     #[serde(default)]
     pub cached_prefix_source: Option<PrefixSource>,
+    /// What `minimize: PredictedTTFT` adds to the prediction, term by term.
+    #[serde(default)]
+    pub placement: Placement,
 }
 
 /// How a Pod's cached prefix was known.
@@ -308,6 +313,16 @@ impl Candidate {
         }
     }
 
+    /// What a tier that minimizes `metric` ranks by: the metric, plus the
+    /// placement terms for `PredictedTTFT` (`eval::placement`).
+    pub fn minimized(&self, metric: Metric) -> Option<f64> {
+        let value = self.metrics.get(metric)?;
+        Some(match metric {
+            Metric::PredictedTtft => value + self.placement.total(),
+            _ => value,
+        })
+    }
+
     /// The name `order` tiers and `backends.names` rank and select by.
     pub fn destination_name(&self) -> Option<&str> {
         match self.kind {
@@ -393,6 +408,7 @@ pub const CANDIDATE_FIELDS: &[&str] = &[
     "loraSlotsFree",
     "InFlight",
     "cachedPrefixSource",
+    "placement",
 ];
 
 /// Candidates from a file's JSON, refusing unknown fields (a typo such as
@@ -458,6 +474,9 @@ impl Serialize for Candidate {
         }
         if let Some(source) = &self.cached_prefix_source {
             map.serialize_entry("cachedPrefixSource", source)?;
+        }
+        if !self.placement.is_empty() {
+            map.serialize_entry("placement", &self.placement)?;
         }
         map.end()
     }

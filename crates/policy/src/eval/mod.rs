@@ -3,6 +3,7 @@
 
 mod detail;
 mod input;
+mod placement;
 mod predicate;
 mod record;
 mod redact;
@@ -18,6 +19,7 @@ pub use input::{
     CANDIDATE_FIELDS, Candidate, MAX_ATTRIBUTE_BYTES, Metrics, PrefixSource, Request, Tags, Val,
     clamp_attribute, parse_candidates,
 };
+pub use placement::{Placement, PlacementTerm};
 pub use record::{
     DecisionRecord, DiffSummary, EXAMPLES_PER_GROUP, Group, Outcome, Totals, diff,
     for_recorded_requests, replay, undecidable_predicates, unrecorded_headers,

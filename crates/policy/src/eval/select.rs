@@ -175,7 +175,7 @@ fn rank_tier(
     match &tier.rank {
         Rank::Unranked => eligible.map(|i| (i, 0.0)).collect(),
         Rank::Minimize(m) => eligible
-            .filter_map(|i| candidates[i].metrics.get(*m).map(|v| (i, v)))
+            .filter_map(|i| candidates[i].minimized(*m).map(|v| (i, v)))
             .collect(),
         Rank::Maximize(m) => eligible
             .filter_map(|i| candidates[i].metrics.get(*m).map(|v| (i, -v)))

@@ -11,6 +11,7 @@ use super::predicate::first_failing;
 use super::redact::shown_value;
 use super::select::Picked;
 use super::{Evaluation, evaluate};
+use crate::attr::Metric;
 use crate::duration::format_seconds;
 use crate::model::{CompiledPolicy, Rank, Rule, Test, TieBreak, Tier, Value};
 
@@ -205,17 +206,33 @@ impl Tracer for Trace {
     ) {
         let value = |i: usize, key: f64| match &tier.rank {
             Rank::Minimize(m) | Rank::Maximize(m) => {
-                let v = candidates[i].metrics.get(*m).unwrap_or(key);
-                let shown = if m.ty() == crate::attr::AttrType::Duration {
-                    format_seconds(v)
-                } else {
-                    format!("{v}")
+                let c = &candidates[i];
+                let v = match tier.rank {
+                    Rank::Minimize(_) => c.minimized(*m),
+                    _ => c.metrics.get(*m),
                 };
+                let show = |v: f64| {
+                    if m.ty() == crate::attr::AttrType::Duration {
+                        format_seconds(v)
+                    } else {
+                        format!("{v}")
+                    }
+                };
+                let shown = show(v.unwrap_or(key));
                 // Which cached prefix the value stands on: the Pod's own
                 // KV events, or the EPP's estimate.
-                match candidates[i].cached_prefix_source {
+                let shown = match c.cached_prefix_source {
                     Some(source) if m.depends_on_cached_prefix() => {
                         format!("{shown} ({})", source.as_str())
+                    }
+                    _ => shown,
+                };
+                // The prediction, then each placement term added to it.
+                match (&tier.rank, c.metrics.get(*m)) {
+                    (Rank::Minimize(Metric::PredictedTtft), Some(predicted))
+                        if !c.placement.is_empty() =>
+                    {
+                        format!("{shown} = predicted {}{}", show(predicted), c.placement)
                     }
                     _ => shown,
                 }
