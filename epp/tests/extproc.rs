@@ -1012,6 +1012,13 @@ async fn a_queued_prefix_spreads_when_many_requests_share_it_one_replica_at_a_ti
     );
     assert_eq!(seen.other_group, busy, "one replica at a time");
     assert_eq!(seen.seeds, 1);
+    // The explain trace shows the replica's prediction and the share of
+    // it the group's next requests take off, by name.
+    let best = &seen.group_ranking[0];
+    assert!(
+        best.contains(" = predicted ") && best.contains(" - replicaShare "),
+        "{best}"
+    );
 }
 
 /// The same, under a policy that bounds `PredictedTTFT` (a TTFT SLO): the
@@ -1060,6 +1067,8 @@ struct QueuedPrefixCase {
     group: String,
     other_group: String,
     seeds: u64,
+    /// The explain trace's ranking of `group`'s decision.
+    group_ranking: Vec<String>,
 }
 
 /// One rule with `route`, two Pods: [`BUSY`] holds the prefixes and has two
@@ -1142,6 +1151,10 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
     let lonely = ask(lonely, 1, None).await;
     scrape(2.0);
     let group = ask(team, 13, None).await;
+    let explained = epp.picker.recent.explain(1);
+    let ranking = &explained[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
+    let group_ranking = ranking.as_array().into_iter().flatten();
+    let group_ranking = group_ranking.map(|entry| entry.to_string()).collect();
     scrape(2.0);
     let other_group = ask(other_team, 12, None).await;
     let seeds = replica_seeds(&epp);
@@ -1151,6 +1164,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
         group,
         other_group,
         seeds,
+        group_ranking,
     }
 }
 

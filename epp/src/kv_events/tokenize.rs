@@ -27,7 +27,7 @@ use crate::predict::MAX_BLOCKS;
 /// tokenization over its budget runs on when its ids will be kept for the
 /// prompt's next sighting, so every slot is a core's worth of CPU taken
 /// from the proxy and the EPP itself: with 4 slots on 2 cores, 220 KB
-/// prompts at c150 took 2.3× the time to serve (BENCHMARKS, issue 14).
+/// prompts at 150 concurrent requests took 2.3× the time to serve.
 pub fn slots() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / 2).clamp(1, 4)

@@ -12,6 +12,7 @@ use kinference_policy::model::Price;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::placement::{self, Local, Overflow, Pod, PoolFacts};
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::endpoints::EndpointView;
 use crate::kv_events::PodKvIndex;
@@ -19,7 +20,7 @@ use crate::kv_events::index::PodSlots;
 use crate::kv_events::pool::PoolIndex;
 use crate::kv_events::tokenize::PromptTokens;
 use crate::policy_store::LoadedPolicy;
-use crate::predict::{DestinationState, TtftFeatures, reuse};
+use crate::predict::{DestinationState, TtftFeatures, TtftPredictor};
 
 /// Candidates with what the pick needs to act on each.
 pub struct CandidateSet {
@@ -33,29 +34,6 @@ pub struct CandidateSet {
     seeds: Vec<usize>,
     /// Local candidates' cached-prefix predictions; `None` for providers.
     prefixes: Vec<Option<PrefixPrediction>>,
-    /// Local candidates carrying a hot group ([`Self::hot_carriers`]).
-    hot: Vec<bool>,
-}
-
-/// A Pod carries a hot group when it took more than this many times the
-/// mean of the recent routes of the Pods serving the model ...
-const HOT_SHARE: f64 = 2.0;
-/// ... and at least this many of them (decayed): about 2.8 requests a
-/// second held (8 × ln 2 ÷ the 2 s half-life), so that a pool's first
-/// routes, and a Pod below that rate, flag nobody.
-const HOT_MIN_ROUTES: f64 = 8.0;
-
-/// What `price_room` compares a local candidate with, from the local
-/// candidates of its model.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct RoomBounds {
-    /// The most of the prompt any of them holds: 0 for a prompt cached
-    /// nowhere.
-    best: f64,
-    /// For a prompt cached nowhere, the load (requests running and waiting)
-    /// above which a Pod has no room for its group: one request above
-    /// their mean. Unbounded for a prompt cached somewhere.
-    full_above_load: f64,
 }
 
 /// A local candidate's cached prefix as the decision saw it, to compare
@@ -97,7 +75,6 @@ impl CandidateSet {
             predicted: Vec::new(),
             seeds: Vec::new(),
             prefixes: Vec::new(),
-            hot: Vec::new(),
         };
         // Each endpoint's address is formatted once per request.
         let admitted: Vec<(&EndpointView, String)> = snapshot
@@ -213,6 +190,7 @@ impl CandidateSet {
                         in_flight: Some(live.running as f64),
                     },
                     cached_prefix_source: Some(source),
+                    placement: Default::default(),
                 });
                 set.states.push(Arc::clone(state));
                 set.features.push(features);
@@ -221,9 +199,7 @@ impl CandidateSet {
                 recent_routes.push(live.recent_routes);
             }
         }
-        set.hot = set.hot_carriers(&recent_routes);
-        let rooms = set.price_room(picker, policy, &units, hashes);
-        set.share_replica_prefills(picker, policy, &units, hashes, &rooms, now);
+        set.place(picker, policy, &units, hashes, &recent_routes, now);
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
             let live = state.stats.snapshot(now);
@@ -251,6 +227,57 @@ impl CandidateSet {
             }
         }
         set
+    }
+
+    /// Prices each local candidate's placement terms (`placement`), for a
+    /// policy that ranks by `PredictedTTFT` and bounds it nowhere: one that
+    /// bounds the request's own TTFT (an SLO) wants each request's fastest
+    /// Pod, not its group's home.
+    fn place(
+        &mut self,
+        picker: &Picker,
+        policy: &LoadedPolicy,
+        units: &PromptUnits,
+        hashes: &[u64],
+        recent_routes: &[f64],
+        now: Instant,
+    ) {
+        let reads = &policy.compiled.reads;
+        if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft {
+            return;
+        }
+        let local = |i: usize| {
+            let prefix = self.prefixes[i]?;
+            Some(Local {
+                model: &self.candidates[i].model,
+                cached: prefix.cached_tokens,
+                prompt: prefix.prompt,
+                features: self.features[i],
+                predicted: self.predicted[i],
+                recent_routes: recent_routes[i],
+                pod: PodModel {
+                    ttft: &picker.ttft,
+                    state: &self.states[i],
+                    hashes,
+                    units,
+                },
+            })
+        };
+        let locals: Vec<_> = (0..self.candidates.len()).map(local).collect();
+        let pool = PoolFacts {
+            hashed: !hashes.is_empty(),
+            seeds_open: picker.seeds.is_open(now),
+            shared: || {
+                let shared = picker.routes.shared_blocks(hashes, now);
+                shared.into_iter().map(|b| units.of_estimate(b)).collect()
+            },
+        };
+        let priced = placement::price(&locals, pool);
+        drop(locals);
+        for (candidate, terms) in self.candidates.iter_mut().zip(priced.terms) {
+            candidate.placement = terms;
+        }
+        self.seeds = priced.replicas;
     }
 
     pub fn to_pick(
@@ -330,292 +357,40 @@ impl CandidateSet {
     }
 }
 
-impl CandidateSet {
-    /// A local candidate that lacks part of the prompt is priced with the
-    /// room it leaves: where a prompt goes, its group's next requests
-    /// follow. A Pod whose cache would not hold the prompt's new blocks
-    /// beside its working set (`PrefixCache::growth`) would prefill its
-    /// questions, and its neighbours', again for as long as the group
-    /// stays (a fourth group on a Pod holding three: BENCHMARKS, issue
-    /// 14). For a prompt cached nowhere (a new group's first request, or a
-    /// one-off: they cannot be told apart), a Pod with more requests
-    /// running and waiting (picks not yet scraped included) than one above
-    /// the mean of its model's Pods has no room either: its traffic would
-    /// queue the new group's.
-    ///
-    /// The price is the share of the new blocks that would not fit, times
-    /// one queued request by the Pod's model, and at most their prefill
-    /// (a group's next question on its own Pod costs no more than itself).
-    /// It is a forecast (the group may never come back); uncapped, or
-    /// without the load, it sent new groups to the one Pod with room, the
-    /// one a hot group kept busy (BENCHMARKS, "Room for a new group"). So
-    /// room decides between Pods whose loads are within a queued request,
-    /// and load beyond that. A Pod carrying a hot group
-    /// ([`hot_carriers`](Self::hot_carriers)), for a prompt cached nowhere
-    /// or one another Pod holds more of (a group leaving its first Pod,
-    /// busy with the pool's cold prefills), is priced with the prefill it
-    /// lacks a second time (at least one queued request): the group would
-    /// queue behind the hot one and leave again. "Cached nowhere", "the
-    /// mean" and "another Pod" are read among the candidate's model's Pods
-    /// ([`room_bounds`](Self::room_bounds)). Only for a policy that ranks
-    /// by `PredictedTTFT` and bounds it nowhere, as for a replica.
-    ///
-    /// Returns each candidate's room price (0 where none), which a
-    /// replica's price (`share_replica_prefills`) builds on.
-    fn price_room(
-        &mut self,
-        picker: &Picker,
-        policy: &LoadedPolicy,
-        units: &PromptUnits,
-        hashes: &[u64],
-    ) -> Vec<f64> {
-        let mut rooms = vec![0.0; self.candidates.len()];
-        let reads = &policy.compiled.reads;
-        if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft || hashes.is_empty() {
-            return rooms;
-        }
-        for (i, bounds) in self.room_bounds().into_iter().enumerate() {
-            let (Some(prefix), Some(features), Some(predicted), Some(bounds)) = (
-                self.prefixes[i],
-                self.features[i],
-                self.predicted[i],
-                bounds,
-            ) else {
-                continue;
-            };
-            let RoomBounds {
-                best,
-                full_above_load,
-            } = bounds;
-            let cached_nowhere = best <= 0.0;
-            let gap = prefix.prompt - prefix.cached_tokens;
-            if gap <= 0.0 {
-                continue;
-            }
-            let queued = picker.ttft.coefficients(&self.states[i].ttft).per_queued;
-            let full = features.running + features.waiting > full_above_load;
-            let at_cached = || {
-                let all_cached = TtftFeatures {
-                    uncached_tokens: 0.0,
-                    ..features
-                };
-                picker.ttft.predict(&self.states[i].ttft, &all_cached)
-            };
-            let another_group = self.hot[i] && (cached_nowhere || prefix.cached_tokens < best);
-            let price = if another_group {
-                // Its group would leave again, the hot one's traffic
-                // queueing it, and pay this prefill a second time.
-                (predicted - at_cached()).max(queued)
-            } else if full {
-                queued
-            } else {
-                let growth = self.states[i].prefix.growth(hashes);
-                if growth.overflow == 0 {
-                    continue;
-                }
-                // In precise mode the events may hold more than this EPP
-                // routed: the prompt's own uncached tokens bound what it adds.
-                let evicted = units.of_estimate(growth.overflow).min(gap);
-                let cost = reuse::eviction_cost(predicted, at_cached(), gap, evicted);
-                let share = growth.overflow as f64 / growth.new as f64;
-                cost.min(queued * share)
-            };
-            self.candidates[i].metrics.predicted_ttft = Some(predicted + price);
-            rooms[i] = price;
-        }
-        rooms
+/// A local candidate's Pod as the placement terms ask of it: its TTFT model
+/// and its prefix index, for this request's prompt.
+struct PodModel<'a> {
+    ttft: &'a TtftPredictor,
+    state: &'a DestinationState,
+    hashes: &'a [u64],
+    units: &'a PromptUnits,
+}
+
+impl Pod for PodModel<'_> {
+    fn predict(&self, features: &TtftFeatures) -> f64 {
+        self.ttft.predict(&self.state.ttft, features)
     }
 
-    /// A local candidate that lacks part of the prefix the best-cached one
-    /// of its model holds is priced with that part's prefill divided among
-    /// the recent requests that shared it (`predict::reuse`), plus the
-    /// larger of what its cache pushes out for it: the reused blocks it
-    /// evicts now, or the forecast of `rooms` (`price_room`'s). A hot
-    /// group spreads once its Pod's queue costs more than its share of a
-    /// new replica, onto a Pod with room for it. Until a cache first
-    /// pushes a block out (or holds one untouched for the reuse horizon,
-    /// `predict::prefix`), the groups on it have not come back yet, so
-    /// nothing counts as reused there and only the forecast tells a Pod
-    /// that would hold the group beside two others from one that must
-    /// hold it beside three, where it and they are prefilled again and
-    /// again (BENCHMARKS, issue 14). A candidate is a replica, its price
-    /// replacing the room-priced one, only where its share of the prefill
-    /// and the evictions it makes now cost less than its own prediction
-    /// (`reuse::eviction_cost`), and that carries no hot group of its own
-    /// ([`hot_carriers`](Self::hot_carriers)). Only for a policy that
-    /// ranks by `PredictedTTFT` and bounds it nowhere: an SLO on the
-    /// request's own TTFT must see its full prefill.
-    fn share_replica_prefills(
-        &mut self,
-        picker: &Picker,
-        policy: &LoadedPolicy,
-        units: &PromptUnits,
-        hashes: &[u64],
-        rooms: &[f64],
-        now: Instant,
-    ) {
-        let reads = &policy.compiled.reads;
-        if !reads.ranks_by_predicted_ttft
-            || reads.filters_on_predicted_ttft
-            || !picker.seeds.is_open(now)
-        {
-            return;
-        }
-        let mut holders: Vec<(String, Option<f64>)> = Vec::new();
-        let mut shared: Option<Vec<f64>> = None;
-        for (i, &room) in rooms.iter().enumerate() {
-            let (Some(prefix), Some(features), Some(predicted)) =
-                (self.prefixes[i], self.features[i], self.predicted[i])
-            else {
-                continue;
-            };
-            if features.waiting > 0.0 || self.hot[i] {
-                continue;
-            }
-            let model = &self.candidates[i].model;
-            let best = match holders.iter().find(|(m, _)| m == model) {
-                Some((_, best)) => *best,
-                None => {
-                    let best = self.queued_best(picker, model);
-                    holders.push((model.clone(), best));
-                    best
-                }
-            };
-            let Some(best) = best.filter(|&best| prefix.cached_tokens < best) else {
-                continue;
-            };
-            let shared = shared.get_or_insert_with(|| {
-                picker
-                    .routes
-                    .shared_blocks(hashes, now)
-                    .into_iter()
-                    .map(|blocks| units.of_estimate(blocks))
-                    .collect()
-            });
-            let as_best = TtftFeatures {
-                uncached_tokens: (prefix.prompt - best).max(0.0),
-                ..features
-            };
-            let at_best = picker.ttft.predict(&self.states[i].ttft, &as_best);
-            let reusers = reuse::reusers(shared, prefix.cached_tokens, best);
-            let amortized = reuse::amortized(predicted, at_best, reusers);
-            if amortized >= predicted {
-                // No cheaper as a replica: the index need not be walked.
-                continue;
-            }
-            let evicted = units.of_estimate(self.states[i].prefix.reused_evictions(hashes));
-            let gap = best - prefix.cached_tokens;
-            let evicts_now = reuse::eviction_cost(predicted, at_best, gap, evicted);
-            if amortized + evicts_now < predicted {
-                // Then also below its room-priced value, `predicted +
-                // room`, which it replaces.
-                let price = amortized + evicts_now.max(room);
-                self.candidates[i].metrics.predicted_ttft = Some(price);
-                self.seeds.push(i);
-            }
-        }
+    fn per_queued(&self) -> f64 {
+        self.ttft.coefficients(&self.state.ttft).per_queued
     }
 
-    /// Per candidate, the [`RoomBounds`] of its model's local candidates
-    /// (`None` for a provider). Per model, as for a replica
-    /// ([`queued_best`](Self::queued_best)): a Pod serving only another
-    /// model that holds the prompt (one system prompt for two models) says
-    /// nothing of where this model's group is, and its load is not this
-    /// model's Pods' load. A Pod serving two models is a candidate of each,
-    /// and its one prefix index counts for both.
-    fn room_bounds(&self) -> Vec<Option<RoomBounds>> {
-        // Per model: the best cached prefix, and the loads scraped.
-        let of_model = self.per_model(|(best, load, loaded): &mut (f64, f64, f64), i| {
-            *best = best.max(self.prefixes[i].map_or(0.0, |p| p.cached_tokens));
-            if let Some(f) = self.features[i] {
-                *load += f.running + f.waiting;
-                *loaded += 1.0;
-            }
-        });
-        let bounds = |(best, load, loaded): (f64, f64, f64)| RoomBounds {
-            best,
-            full_above_load: if best <= 0.0 {
-                load / loaded.max(1.0) + 1.0
-            } else {
-                f64::INFINITY
-            },
-        };
-        of_model.into_iter().map(|m| m.map(bounds)).collect()
+    fn trained(&self) -> bool {
+        let trained = self.ttft.config().min_endpoint_observations;
+        self.ttft.observations(&self.state.ttft) >= trained
     }
 
-    /// Per candidate, `add` folded over the local candidates of its model
-    /// (`None` for a provider). A Pod serving two models is a candidate of
-    /// each.
-    fn per_model<T: Default + Copy>(&self, mut add: impl FnMut(&mut T, usize)) -> Vec<Option<T>> {
-        let local = || (0..self.candidates.len()).filter(|&i| self.prefixes[i].is_some());
-        let mut of_model: HashMap<&str, T> = HashMap::new();
-        for i in local() {
-            add(of_model.entry(&self.candidates[i].model).or_default(), i);
-        }
-        let mut folded = vec![None; self.candidates.len()];
-        for i in local() {
-            folded[i] = Some(of_model[self.candidates[i].model.as_str()]);
-        }
-        folded
+    fn overflow(&self) -> Option<Overflow> {
+        let growth = self.state.prefix.growth(self.hashes);
+        (growth.overflow > 0).then(|| Overflow {
+            share: growth.overflow as f64 / growth.new as f64,
+            tokens: self.units.of_estimate(growth.overflow),
+        })
     }
 
-    /// Local candidates that carry a hot group: routed more than
-    /// [`HOT_SHARE`] times the mean of the recent requests of the Pods
-    /// serving the candidate's model, and at least [`HOT_MIN_ROUTES`] (so
-    /// among two Pods, never). Several cold groups on one Pod would count
-    /// too; what the rule reads is the Pod's share of the traffic, which a
-    /// new group's would join. A hot group's Pod serves it from its
-    /// cache: its engine shows few requests running and none waiting, and
-    /// its cache has room, so by load and room it looks the best place for
-    /// another group, whose requests would then queue behind the hot
-    /// group's, and the hot group's behind their prefills (BENCHMARKS,
-    /// issue 14: another group landed there in three hot-group reps of
-    /// ten). Its share of the routes tells it apart. The engines' load did
-    /// not: at a pool's start the Pods prefilling new groups run more
-    /// requests than the hot group's, and a guard on load named them
-    /// instead (BENCHMARKS, "Tried and reverted: no room for a copy on a
-    /// busy Pod").
-    ///
-    /// `recent_routes` holds, per local candidate, the requests this EPP
-    /// routed to its Pod lately, for every model the Pod serves; the mean
-    /// is over the Pods the request may go to (a subset hint of one or two
-    /// flags none).
-    fn hot_carriers(&self, recent_routes: &[f64]) -> Vec<bool> {
-        // Per model, its Pods' count and routes.
-        let of_model = self.per_model(|(pods, routes): &mut (f64, f64), i| {
-            *pods += 1.0;
-            *routes += recent_routes[i];
-        });
-        let hot = |i: usize, (pods, total): (f64, f64)| {
-            let routes = recent_routes[i];
-            routes >= HOT_MIN_ROUTES && routes * pods > HOT_SHARE * total
-        };
-        let of_candidate = of_model.into_iter().enumerate();
-        of_candidate
-            .map(|(i, m)| m.is_some_and(|m| hot(i, m)))
-            .collect()
-    }
-
-    /// The best cached prefix among the local candidates of `model`, if
-    /// every one holding it has requests waiting in its engine, as scraped,
-    /// and a model trained on its own answers: a replica pays only for a
-    /// queue the engine reports, not for one the model guesses (the prior's
-    /// is a quarter second a request).
-    fn queued_best(&self, picker: &Picker, model: &str) -> Option<f64> {
-        let trained = picker.ttft.config().min_endpoint_observations;
-        let of_model = || {
-            (0..self.candidates.len())
-                .filter(|&i| self.candidates[i].model == model)
-                .filter_map(|i| self.prefixes[i].map(|p| (i, p.cached_tokens)))
-        };
-        let best = of_model().map(|(_, cached)| cached).fold(0.0, f64::max);
-        let queued = of_model()
-            .filter(|&(_, cached)| cached >= best)
-            .all(|(i, _)| {
-                self.features[i].is_some_and(|f| f.waiting >= 1.0)
-                    && picker.ttft.observations(&self.states[i].ttft) >= trained
-            });
-        (best > 0.0 && queued).then_some(best)
+    fn reused_evictions(&self) -> f64 {
+        let blocks = self.state.prefix.reused_evictions(self.hashes);
+        self.units.of_estimate(blocks)
     }
 }
 
@@ -788,12 +563,8 @@ fn in_subset(subset: &[String], address: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{
-        CandidateSet, PrefixPrediction, PromptUnits, RoomBounds, events_or_routes, in_subset,
-        lora_adapter,
-    };
-    use crate::predict::TtftFeatures;
-    use kinference_policy::eval::{Candidate, PrefixSource};
+    use super::{PromptUnits, events_or_routes, in_subset, lora_adapter};
+    use kinference_policy::eval::PrefixSource;
 
     fn pod_view(
         running_loras: &[&str],
@@ -870,110 +641,6 @@ mod tests {
             Some("sql-lora")
         );
         assert_eq!(lora_adapter("base", [&running, &stored].into_iter()), None);
-    }
-
-    /// Local candidates of `(model, cached tokens of a 100-token prompt,
-    /// requests running)`, followed by a provider.
-    fn set_of(local: &[(&str, f64, f64)]) -> CandidateSet {
-        let mut candidates: Vec<Candidate> = local
-            .iter()
-            .map(|(model, _, _)| Candidate {
-                model: model.to_string(),
-                ..Candidate::default()
-            })
-            .collect();
-        candidates.push(Candidate::default());
-        let mut prefixes: Vec<_> = local
-            .iter()
-            .map(|&(_, cached, _)| {
-                Some(PrefixPrediction {
-                    cached_tokens: cached,
-                    prompt: 100.0,
-                    source: PrefixSource::Estimate,
-                    block_size: None,
-                    prompt_tokens: None,
-                    estimated_prompt: 100,
-                    index_block: 16.0,
-                })
-            })
-            .collect();
-        prefixes.push(None);
-        let mut features: Vec<_> = local
-            .iter()
-            .map(|&(_, cached, running)| Some(TtftFeatures::new(0.0, running, 100.0, cached, 0.0)))
-            .collect();
-        features.push(None);
-        CandidateSet {
-            candidates,
-            states: Vec::new(),
-            features,
-            predicted: vec![None; local.len() + 1],
-            seeds: Vec::new(),
-            prefixes,
-            hot: Vec::new(),
-        }
-    }
-
-    /// Which of `local`, candidates of `(model, recent routes)` followed
-    /// by a provider, carry a hot group.
-    fn hot_of(local: &[(&str, f64)]) -> Vec<bool> {
-        let models: Vec<_> = local.iter().map(|&(model, _)| (model, 0.0, 0.0)).collect();
-        let recent_routes: Vec<f64> = local.iter().map(|&(_, r)| r).collect();
-        set_of(&models).hot_carriers(&recent_routes)
-    }
-
-    #[test]
-    fn a_prompt_is_cached_nowhere_when_no_pod_of_its_model_holds_it() {
-        // Model b's Pod holds the prompt (a system prompt both models
-        // share) and runs 10 requests: model a's Pods hold none of it, and
-        // a Pod of theirs has no room above 3, one request above their own
-        // mean of 2.
-        let set = set_of(&[("a", 0.0, 3.0), ("a", 0.0, 1.0), ("b", 100.0, 10.0)]);
-        let a = RoomBounds {
-            best: 0.0,
-            full_above_load: 3.0,
-        };
-        let b = RoomBounds {
-            best: 100.0,
-            full_above_load: f64::INFINITY,
-        };
-        assert_eq!(set.room_bounds(), [Some(a), Some(a), Some(b), None]);
-        // Among model a's Pods, the best-cached one sets the bound.
-        let set = set_of(&[("a", 20.0, 3.0), ("a", 60.0, 1.0)]);
-        let a = RoomBounds {
-            best: 60.0,
-            full_above_load: f64::INFINITY,
-        };
-        assert_eq!(set.room_bounds(), [Some(a), Some(a), None]);
-    }
-
-    #[test]
-    fn a_pod_carries_a_hot_group_above_twice_its_models_mean() {
-        let four = hot_of(&[("a", 60.0), ("a", 10.0), ("a", 10.0), ("a", 10.0)]);
-        assert_eq!(four, [true, false, false, false, false]);
-        // Among two Pods, more than twice the mean is more than both.
-        let two = hot_of(&[("a", 60.0), ("a", 0.0)]);
-        assert_eq!(two, [false, false, false]);
-        // Too few routes to tell a hot group from a pool's first requests.
-        let few = hot_of(&[("a", 7.0), ("a", 0.0), ("a", 0.0)]);
-        assert_eq!(few, [false, false, false, false]);
-    }
-
-    #[test]
-    fn a_pod_is_compared_with_its_own_models_pods() {
-        // Model a's two Pods take most of the traffic, b's four little:
-        // over all six, a's would both count as hot.
-        let set = hot_of(&[
-            ("a", 40.0),
-            ("a", 40.0),
-            ("b", 5.0),
-            ("b", 5.0),
-            ("b", 5.0),
-            ("b", 5.0),
-        ]);
-        assert_eq!(set, [false; 7]);
-        let one_hot_b = hot_of(&[("a", 40.0), ("b", 30.0), ("b", 1.0), ("b", 1.0)]);
-        assert_eq!(one_hot_b, [false, true, false, false, false]);
     }
 
     #[test]

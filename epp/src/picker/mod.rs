@@ -4,6 +4,7 @@
 
 mod candidates;
 mod decision_log;
+mod placement;
 mod providers;
 mod recent;
 mod sessions;

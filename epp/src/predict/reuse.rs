@@ -16,7 +16,7 @@
 //! costs a batch slot for a whole prefill and evicts some other prefix, and
 //! under load the queues of those prefills made more Pods look worth
 //! leaving (the benchmark's median TTFT went from about 20 ms to seconds).
-//! So the picker (`CandidateSet`) prices a replica only when every Pod
+//! So the picker (`picker::placement::replica`) prices a replica only when every Pod
 //! holding the prefix has requests waiting as its engine reports, on a Pod
 //! with none waiting, with models trained on the Pods' own answers, for a
 //! policy that bounds `PredictedTTFT` nowhere (an SLO must see the
@@ -43,7 +43,8 @@ use super::sync::lock;
 /// decisions before another is paid for. Each seed costs one request a
 /// whole prefill and its Pod a batch slot for as long; unbounded, a pool
 /// under load seeded replicas faster than they paid back and the prefills
-/// queued everything behind them (BENCHMARKS, issue 14).
+/// queued everything behind them (the shared-prefix ladder's median TTFT
+/// went from about 20 ms to seconds).
 pub const SEED_INTERVAL: Duration = Duration::from_secs(5);
 
 /// When the pool last paid a prefill for a replica.
@@ -88,7 +89,7 @@ pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
 /// its next reuser, at the per-token cost the replica's own prefill has
 /// (`predicted − at_best` for `gap` tokens). A replica seeded on a Pod
 /// whose cache is full of other groups' reused prefixes evicted them and
-/// slowed all of those groups (BENCHMARKS, issue 14); on a Pod with room,
+/// slowed all of those groups; on a Pod with room,
 /// or with only prompts nobody sent again, it costs nothing. A price that
 /// reaches the request's own prediction is no replica: the candidate is
 /// then ranked as any other, by that prediction and the room it leaves.
