@@ -390,30 +390,71 @@ impl Rls {
         self.step(&x.map(|v| v / scale), y / scale, prm, weight);
     }
 
+    /// One recursive-least-squares step towards `y` at `x`, the error
+    /// weighted by `weight`: each part below is named for what it guards.
     fn step(&mut self, x: &[f64; DIM], y: f64, prm: &Params, weight: f64) {
-        // A shift: the residuals have stayed several times the expected noise,
-        // mostly on one side. The covariance the old data shrank would follow
-        // it only slowly (in relative terms an old, faster sample weighs more
-        // than a new, slower one), so the old data's confidence is dropped,
-        // not its estimate. Large residuals on both sides are noise (e.g.
-        // prefixes mislabelled either way) and leave it alone: a restart lets
-        // the next outlier move the model far.
+        self.reset_after_a_shift(prm);
+        let (mut free, mut xf) = self.regressors_excited(x, prm);
+        // A weight w divides the noise's variance by w: λ/w in the step's
+        // denominator.
+        let lambda = prm.lambda / weight;
+        let (px, xpx) = self.gain(&xf);
+        // The clip and the residual scale judge the error unweighted, as the
+        // spread an unweighted sample would have: the weight says only how
+        // far the step follows it.
+        let spread = (prm.lambda + xpx).sqrt();
+        let denom = lambda + xpx;
+        if !(denom.is_finite() && denom > 0.0 && spread.is_finite() && spread > 0.0) {
+            self.reset_cov(prm);
+            return;
+        }
+        let target = self.clipped_target(x, y, prm, spread);
+        let (px, denom) =
+            self.step_within_bounds(x, target, prm, lambda, (&mut free, &mut xf), (px, denom));
+        // P ← (P − P x xᵀ P / denom) / λ over the free regressor, kept exactly
+        // symmetric.
+        for i in 0..DIM {
+            for j in i..DIM {
+                let v = (self.p[i][j] - px[i] * px[j] / denom) / prm.lambda;
+                self.p[i][j] = v;
+                self.p[j][i] = v;
+            }
+        }
+        self.cap_variances(prm);
+        self.project(prm);
+        self.n += 1;
+    }
+
+    /// A shift: the residuals have stayed several times the expected noise,
+    /// mostly on one side. The covariance the old data shrank would follow
+    /// it only slowly (in relative terms an old, faster sample weighs more
+    /// than a new, slower one), so the old data's confidence is dropped,
+    /// not its estimate. Large residuals on both sides are noise (e.g.
+    /// prefixes mislabelled either way) and leave it alone: a restart lets
+    /// the next outlier move the model far.
+    fn reset_after_a_shift(&mut self, prm: &Params) {
         if self.resid_scale > SHIFT_RESET * prm.noise && self.bias.abs() > 0.5 * self.resid_scale {
             self.reset_cov(prm);
             self.resid_scale = prm.noise;
             self.bias = 0.0;
             self.resets += 1;
         }
-        // The prefill cost is a property of the engine, seen only where the
-        // prefill is a real part of the TTFT. Elsewhere (a cached system
-        // prompt and a short question) it is tied to `base` and the load
-        // terms by the covariance, its variance (rarely excited) grows back
-        // to the prior, and one cached answer slowed by a queue the scrape
-        // did not show moved it to its floor in a single step; a Pod that
-        // looked able to prefill 6,000 tokens in 60 ms then drew every new
-        // prefix group and collapsed. So it takes no part in such samples.
-        // The share is judged at no less than the prior's cost: judged at an
-        // underestimate, true prefills would look small and never correct it.
+    }
+
+    /// Which coefficients the sample at `x` takes part in, and its
+    /// regressor with the others zeroed.
+    ///
+    /// The prefill cost is a property of the engine, seen only where the
+    /// prefill is a real part of the TTFT. Elsewhere (a cached system
+    /// prompt and a short question) it is tied to `base` and the load
+    /// terms by the covariance, its variance (rarely excited) grows back
+    /// to the prior, and one cached answer slowed by a queue the scrape
+    /// did not show moved it to its floor in a single step; a Pod that
+    /// looked able to prefill 6,000 tokens in 60 ms then drew every new
+    /// prefix group and collapsed. So it takes no part in such samples.
+    /// The share is judged at no less than the prior's cost: judged at an
+    /// underestimate, true prefills would look small and never correct it.
+    fn regressors_excited(&self, x: &[f64; DIM], prm: &Params) -> ([bool; DIM], [f64; DIM]) {
         let mut free = [true; DIM];
         let mut xf = *x;
         let cost = self.theta[TOKEN].max(prm.prefill_prior);
@@ -422,24 +463,18 @@ impl Rls {
             free[TOKEN] = false;
             xf[TOKEN] = 0.0;
         }
-        // A weight w divides the noise's variance by w: λ/w in the step's
-        // denominator.
-        let lambda = prm.lambda / weight;
-        let (mut px, xpx) = self.gain(&xf);
-        let mut denom = lambda + xpx;
-        // The clip and the residual scale judge the error unweighted, as the
-        // spread an unweighted sample would have: the weight says only how
-        // far the step follows it.
-        let spread = (prm.lambda + xpx).sqrt();
-        if !(denom.is_finite() && denom > 0.0 && spread.is_finite() && spread > 0.0) {
-            self.reset_cov(prm);
-            return;
-        }
-        // The innovation's expected spread is σ·`spread` (σ = `resid_scale`):
-        // wide while the model is uncertain (so the prior is left quickly),
-        // ≈ σ once it has converged.
-        // Clip at 4 such spreads (Huber-like), but never below 10% of the
-        // prediction (with a small configured noise the spreads could be).
+        (free, xf)
+    }
+
+    /// The value the step moves the prediction at `x` towards: `y`, its
+    /// error clipped, and the residual scale and bias updated with it.
+    ///
+    /// The innovation's expected spread is σ·`spread` (σ = `resid_scale`):
+    /// wide while the model is uncertain (so the prior is left quickly),
+    /// ≈ σ once it has converged. The clip is at 4 such spreads
+    /// (Huber-like), but never below 10% of the prediction (with a small
+    /// configured noise the spreads could be).
+    fn clipped_target(&mut self, x: &[f64; DIM], y: f64, prm: &Params, spread: f64) -> f64 {
         let pred = self.predict(x);
         let bound = (4.0 * self.resid_scale * spread).max(0.1 * pred.abs());
         let e = (y - pred).clamp(-bound, bound);
@@ -450,15 +485,29 @@ impl Rls {
         self.resid_scale = (0.95 * self.resid_scale + 0.05 * e.abs() / spread).max(prm.noise * 0.2);
         // Slower than the scale: a run of noise must not pass for a bias.
         self.bias = 0.99 * self.bias + 0.01 * e / spread;
-        let target = pred + e;
+        pred + e
+    }
 
-        // Non-negativity (and upper bounds) by a small active set: take the RLS
-        // step; if it pushes coefficients out of bounds, pin them at the bound
-        // and redo the step with only the free coefficients explaining the
-        // observation. Simply clamping after the step would throw away the
-        // part of the correction that went into the clamped coefficient (e.g.
-        // a fast server vs. the prefill prior: the step drives per_token
-        // negative, the clamp restores most of the error, and the model stalls).
+    /// Takes the step towards `target` with every coefficient within its
+    /// bounds, by a small active set; returns the gain and denominator of
+    /// the coefficients left free, for the covariance update.
+    ///
+    /// Take the RLS step; if it pushes coefficients out of bounds, pin them
+    /// at the bound and redo the step with only the free coefficients
+    /// explaining the observation. Simply clamping after the step would
+    /// throw away the part of the correction that went into the clamped
+    /// coefficient (e.g. a fast server vs. the prefill prior: the step
+    /// drives per_token negative, the clamp restores most of the error, and
+    /// the model stalls).
+    fn step_within_bounds(
+        &mut self,
+        x: &[f64; DIM],
+        target: f64,
+        prm: &Params,
+        lambda: f64,
+        (free, xf): (&mut [bool; DIM], &mut [f64; DIM]),
+        (mut px, mut denom): ([f64; DIM], f64),
+    ) -> ([f64; DIM], f64) {
         let theta0 = self.theta;
         let mut theta = theta0;
         for _ in 0..=DIM {
@@ -489,21 +538,17 @@ impl Rls {
                 break;
             }
             let xpx;
-            (px, xpx) = self.gain(&xf);
+            (px, xpx) = self.gain(xf);
             denom = lambda + xpx;
         }
         self.theta = theta;
-        // P ← (P − P x xᵀ P / denom) / λ over the free regressor, kept exactly
-        // symmetric.
-        for i in 0..DIM {
-            for j in i..DIM {
-                let v = (self.p[i][j] - px[i] * px[j] / denom) / prm.lambda;
-                self.p[i][j] = v;
-                self.p[j][i] = v;
-            }
-        }
-        // Anti-wind-up: cap each variance at its prior by scaling row and column
-        // i (D·P·D with D diagonal positive stays PSD). Reset on numerical trouble.
+        (px, denom)
+    }
+
+    /// Anti-wind-up: caps each variance at its prior by scaling row and
+    /// column i (D·P·D with D diagonal positive stays PSD). Resets on
+    /// numerical trouble.
+    fn cap_variances(&mut self, prm: &Params) {
         for i in 0..DIM {
             let d = self.p[i][i];
             if !(d.is_finite() && d > 0.0) {
@@ -518,8 +563,6 @@ impl Rls {
                 }
             }
         }
-        self.project(prm);
-        self.n += 1;
     }
 }
 
