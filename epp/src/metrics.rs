@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 use crate::classify::ClassifierError;
 use crate::endpoints::EndpointRegistry;
 use crate::endpoints::ScrapeStats;
+use kinference_runtime::sync::lock;
 
 type Labels = Vec<(String, String)>;
 
@@ -335,7 +336,7 @@ impl Metrics {
         help: &str,
         metric: impl prometheus_client::registry::Metric,
     ) {
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let mut registry = lock(&self.registry);
         registry.register(name, help, metric);
     }
 
@@ -417,7 +418,7 @@ impl Metrics {
                 .set(1);
         }
         let mut out = String::new();
-        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let registry = lock(&self.registry);
         encode(&mut out, &registry).expect("encoding to a String cannot fail");
         let pool = self.pool.render(&endpoints.snapshot());
         if !pool.is_empty() {

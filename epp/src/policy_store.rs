@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
 use kinference_policy::{CompiledPolicy, PolicySpec, compile};
+use kinference_runtime::sync::lock;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 
@@ -65,7 +66,7 @@ impl PolicyStore {
     }
 
     pub fn state(&self) -> LoadState {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        lock(&self.state).clone()
     }
 
     /// Notified with the hash each time a new policy takes effect.
@@ -109,7 +110,7 @@ impl PolicyStore {
     }
 
     fn apply(&self, compiled: Result<CompiledPolicy, String>) -> Result<String, String> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(&self.state);
         match compiled {
             Ok(compiled) => {
                 let hash = compiled.hash.clone();

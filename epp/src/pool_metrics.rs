@@ -13,6 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::endpoints::EndpointView;
+use kinference_runtime::sync::lock;
 
 type Labels = Vec<(String, String)>;
 type FloatGauge = Gauge<f64, AtomicU64>;
@@ -106,7 +107,7 @@ impl PoolMetrics {
         }
         self.ready.get_or_create(&pool).set(endpoints.len() as i64);
         let mut out = String::new();
-        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let registry = lock(&self.registry);
         encode(&mut out, &registry).expect("encoding to a String cannot fail");
         out
     }

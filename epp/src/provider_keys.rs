@@ -16,6 +16,7 @@ use kinference_policy::CompiledPolicy;
 pub use kinference_policy::spec::DEFAULT_SECRET_KEY;
 
 use crate::server::Epp;
+use kinference_runtime::sync::lock;
 
 /// One provider's reference to its API key: key `key` of Secret `secret`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -193,7 +194,7 @@ pub(crate) type SharedSecretCache = Arc<Mutex<SecretCache>>;
 
 impl SecretCache {
     pub(crate) fn lock(cache: &SharedSecretCache) -> MutexGuard<'_, SecretCache> {
-        cache.lock().unwrap_or_else(|e| e.into_inner())
+        lock(cache)
     }
 
     /// Resolves the current policy's keys from the cache into the picker.

@@ -26,6 +26,7 @@ use crate::extproc::{ExtProcConfig, ExtProcService};
 use crate::metrics::Metrics;
 use crate::picker::{Picker, PickerConfig};
 use crate::policy_store::PolicyStore;
+use kinference_runtime::sync::lock;
 
 /// gRPC health service names the reference EPP answers.
 pub const HEALTH_SERVICES: &[&str] = &[
@@ -115,7 +116,7 @@ struct HealthUse(Arc<Health>);
 
 impl Drop for HealthUse {
     fn drop(&mut self) {
-        let mut follower = self.0.follower.lock().unwrap_or_else(|e| e.into_inner());
+        let mut follower = lock(&self.0.follower);
         follower.0 -= 1;
         if follower.0 == 0
             && let Some(task) = follower.1.take()
@@ -231,7 +232,7 @@ impl Epp {
     /// and a guard keeping `readiness` up to date while it is held.
     fn health_service(&self) -> (HealthServer<HealthService>, HealthUse) {
         let health = &self.health;
-        let mut follower = health.follower.lock().unwrap_or_else(|e| e.into_inner());
+        let mut follower = lock(&health.follower);
         follower.0 += 1;
         if follower.1.is_none() {
             let (epp, reporter) = (self.clone(), health.reporter.clone());

@@ -7,6 +7,7 @@
 //! - [`admin`]: serving `/metrics`, `/healthz`, `/readyz` until shutdown;
 //! - [`supervisor`]: background tasks restarted with backoff, readiness off
 //!   while one is down;
+//! - [`sync`]: locks that recover from poisoning;
 //! - [`watch`]: Kubernetes watches that recover within seconds of an
 //!   API-server outage and log it once.
 #![forbid(unsafe_code)]
@@ -15,6 +16,7 @@ pub mod admin;
 pub mod logs;
 pub mod signal;
 pub mod supervisor;
+pub mod sync;
 pub mod watch;
 
 pub use logs::{LogArgs, LogFormat};

@@ -24,6 +24,8 @@ use std::time::Duration;
 use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
 use tokio::time::Instant;
 
+use crate::sync::lock;
+
 /// What keeps a process from being ready besides its own conditions: named
 /// reasons, set while a supervised task is down. Cheap to clone; clones
 /// share the reasons.
@@ -58,7 +60,7 @@ impl Readiness {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, String>> {
-        self.down.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.down)
     }
 }
 

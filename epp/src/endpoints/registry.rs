@@ -29,8 +29,9 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio::sync::watch;
 
-use crate::kv_events::pool::PoolIndex;
+use crate::kv_cache::pool::PoolIndex;
 use crate::predict::{DestinationConfig, DestinationState};
+use kinference_runtime::sync::lock;
 
 /// The smallest staleness window [`default_staleness`] hands out: shorter
 /// windows would make metrics flap on ordinary scheduling jitter.
@@ -317,7 +318,7 @@ impl EndpointRegistry {
     /// Replaces the whole endpoint set (after a full discovery listing).
     /// Metrics survive for endpoints whose name and address are unchanged.
     pub fn replace_all(&self, eps: Vec<Endpoint>) {
-        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&self.write_lock);
         let old = self.table.load();
         // Later duplicates win, keeping names unique.
         let last: HashMap<&str, usize> = eps
@@ -360,7 +361,7 @@ impl EndpointRegistry {
     /// an identical endpoint is a no-op; metrics survive unless the address
     /// changed.
     pub fn upsert(&self, ep: Endpoint) {
-        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&self.write_lock);
         let old = self.table.load();
         let mut slots = old.slots.clone();
         match old.by_name.get(&ep.name) {
@@ -374,7 +375,7 @@ impl EndpointRegistry {
 
     /// Removes the endpoint with this name, if any.
     pub fn remove(&self, name: &str) {
-        let _guard = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&self.write_lock);
         let old = self.table.load();
         if !old.by_name.contains_key(name) {
             return;
@@ -546,7 +547,7 @@ mod tests {
 
     #[test]
     fn a_pod_recreated_on_the_same_address_starts_with_an_empty_kv_index() {
-        use crate::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+        use crate::kv_cache::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
         let reg = EndpointRegistry::new(Duration::from_secs(1));
         let first = Endpoint {
             uid: Some("uid-1".into()),
@@ -582,7 +583,7 @@ mod tests {
         reg.replace_all(vec![recreated]);
         let state = reg.state_at("10.0.0.1:8000").unwrap();
         assert!(state.kv.is_empty());
-        assert_eq!(state.kv.freshness(), crate::kv_events::Freshness::Empty);
+        assert_eq!(state.kv.freshness(), crate::kv_cache::Freshness::Empty);
     }
 
     #[test]

@@ -24,6 +24,7 @@ use tonic::codegen::{Bytes, Service, http};
 use tonic::server::NamedService;
 
 use super::limits::{BodyBudget, BodyHold};
+use kinference_runtime::sync::lock;
 
 /// What a stream's decoder holds, on the budget. Shared by the stream's
 /// body (which charges) and its session's inbound messages (which give
@@ -39,14 +40,14 @@ impl DecodeMeter {
     /// Charges `n` bytes received, or nothing if the budget cannot spare
     /// them.
     fn charge(&self, n: usize) -> bool {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).grow(n)
+        lock(&self.0).grow(n)
     }
 
     /// A message was delivered: what the decoder held for it is the
     /// session's to charge now. The start of the next message, read in the
     /// same frame, goes uncharged: at most a frame (16 KiB by default).
     pub fn delivered(&self) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).release();
+        lock(&self.0).release();
     }
 }
 

@@ -22,6 +22,7 @@ pub use queue::{Bounds, Place, Shed};
 use queue::{Id, Queue};
 
 use crate::metrics::Metrics;
+use kinference_runtime::sync::lock;
 
 /// Room can come without a request finishing here: a scrape shows a
 /// shorter queue, a Pod joins, the policy changes. Waiters are asked again
@@ -110,7 +111,7 @@ impl FlowControl {
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue<Slot>> {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.queue)
     }
 
     /// Room may have come (a request finished).
@@ -369,7 +370,7 @@ impl FlowMetrics {
 
     fn set_depths<T>(&self, queue: &Queue<T>) {
         let depths = queue.depth_by_priority();
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = lock(&self.seen);
         seen.extend(depths.keys().copied());
         for &priority in seen.iter() {
             let (n, bytes) = depths.get(&priority).copied().unwrap_or_default();

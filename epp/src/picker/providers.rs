@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use kinference_policy::CompiledPolicy;
 
 use crate::predict::{DestinationConfig, DestinationState};
+use kinference_runtime::sync::lock;
 
 #[derive(Default)]
 pub struct ProviderStates {
@@ -20,7 +21,7 @@ impl ProviderStates {
     /// policy no longer declares is dropped; one it keeps keeps its state
     /// (statistics, breaker) across policy edits.
     pub fn for_policy(&self, policy: &CompiledPolicy) -> Vec<Arc<DestinationState>> {
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inner = lock(&self.inner);
         let (hash, states) = &mut *inner;
         if *hash != policy.hash {
             states.retain(|name, _| policy.providers.iter().any(|p| &p.name == name));
@@ -41,7 +42,7 @@ impl ProviderStates {
 
     /// Providers tracked now.
     pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).1.len()
+        lock(&self.inner).1.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -9,6 +9,7 @@ use kinference_policy::eval::{Candidate, Decision, Request, Tags, evaluate_trace
 use serde_json::{Value, json};
 
 use crate::policy_store::LoadedPolicy;
+use kinference_runtime::sync::lock;
 
 /// Inputs of one decision. Holds no prompt text, only the headers the
 /// policy reads, and every value clamped as predicates see it (so a client's
@@ -73,7 +74,7 @@ impl RecentDecisions {
     }
 
     pub fn push(&self, d: RecordedDecision) {
-        let mut items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        let mut items = lock(&self.items);
         if items.len() == self.capacity {
             items.pop_front();
         }
@@ -82,7 +83,7 @@ impl RecentDecisions {
 
     /// The newest `limit` decisions, newest first, each replayed with a trace.
     pub fn explain(&self, limit: usize) -> Vec<Value> {
-        let items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        let items = lock(&self.items);
         items.iter().rev().take(limit).map(replay).collect()
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kinference_policy::model::{SessionAffinity, SessionKey};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::predict::sync::lock;
+use kinference_runtime::sync::lock;
 
 /// Sessions remembered at once.
 pub const MAX_SESSIONS: usize = 100_000;

@@ -30,7 +30,6 @@ pub mod reuse;
 pub mod routed;
 pub mod sample;
 pub mod stats;
-pub(crate) mod sync;
 pub mod token_ratio;
 pub mod ttft;
 

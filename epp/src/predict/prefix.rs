@@ -14,7 +14,7 @@
 //! the request path is too slow): a block of [`DEFAULT_BLOCK_CHARS`] bytes is
 //! about 16 tokens at the usual ~4 bytes/token.
 
-use super::sync::lock;
+use kinference_runtime::sync::lock;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
@@ -24,13 +24,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 /// KV block size).
 pub const DEFAULT_BLOCK_CHARS: usize = 64;
 
-/// Most blocks hashed per prompt. 4096 × 64 B = 256 KiB covers the 220 KB prompts
-/// of the large-prompt workload. The cap bounds the per-request work (hashing,
-/// recording, lookups) and the index entries a single request can create, so one
-/// multi-megabyte prompt cannot flush an endpoint's whole index or stall the
-/// request path; a longer shared prefix simply saturates at the cap, which
-/// under-estimates the cached tokens (the conservative direction).
-pub const MAX_BLOCKS: usize = 4096;
+pub use crate::kv_cache::MAX_BLOCKS;
 
 /// Capacity of an endpoint's [`PrefixCache`] until its metrics give the real
 /// KV-cache size: 16,384 blocks ≈ 262k tokens, a typical single-GPU vLLM

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 
-use super::sync::lock;
+use kinference_runtime::sync::lock;
 
 /// How often an EPP process seeds a new replica at most: longer than a
 /// prefill and the events that follow it, so that a replica shows in the next

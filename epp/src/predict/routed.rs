@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::prefix::{MAX_BLOCKS, leading_run};
-use super::sync::lock;
+use kinference_runtime::sync::lock;
 
 /// How long a route counts: longer than an engine's event delay plus the
 /// transport (llm-d-inference-sim's batching alone is 1 s), short enough that

@@ -33,7 +33,7 @@
 //! users expect, and policies that ignore ErrorRate still see the breaker via
 //! [`DestSnapshot::breaker_open`].
 
-use super::sync::lock;
+use kinference_runtime::sync::lock;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -54,7 +54,7 @@
 //! model (warm-started from the global one) that takes over for prediction once
 //! it has seen `min_endpoint_observations` samples.
 
-use super::sync::lock;
+use kinference_runtime::sync::lock;
 use std::sync::Mutex;
 
 const DIM: usize = 5;

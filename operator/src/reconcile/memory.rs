@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kinference_api::InferencePolicyStatus;
+use kinference_runtime::sync::lock;
 use serde::Serialize;
 
 /// The version of an object that a write by anyone else would change: the
@@ -67,7 +68,7 @@ pub fn digest<T: Serialize>(obj: &T) -> u64 {
 
 impl Memory {
     fn with<R>(&self, uid: &str, f: impl FnOnce(&mut PolicyMemory) -> R) -> R {
-        let mut policies = self.policies.lock().unwrap_or_else(|e| e.into_inner());
+        let mut policies = lock(&self.policies);
         f(policies.entry(uid.to_string()).or_default())
     }
 
@@ -137,12 +138,12 @@ impl Memory {
 
     /// Keeps only the policies `live` says still exist.
     pub fn retain(&self, mut live: impl FnMut(&str) -> bool) {
-        let mut policies = self.policies.lock().unwrap_or_else(|e| e.into_inner());
+        let mut policies = lock(&self.policies);
         policies.retain(|uid, _| live(uid));
     }
 
     pub fn forget(&self, uid: &str) {
-        let mut policies = self.policies.lock().unwrap_or_else(|e| e.into_inner());
+        let mut policies = lock(&self.policies);
         policies.remove(uid);
     }
 
