@@ -13,12 +13,13 @@ use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use kinference_epp::extproc::body;
-use kinference_epp::kv_events::pool::PoolIndex;
-use kinference_epp::kv_events::tokenize::{PromptText, PromptTokens, Tokenizer};
-use kinference_epp::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+use kinference_epp::kv_cache::PromptTokens;
+use kinference_epp::kv_cache::pool::PoolIndex;
+use kinference_epp::kv_cache::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
 use kinference_epp::predict::{
     DEFAULT_BLOCK_CHARS, DestinationConfig, DestinationState, block_hashes,
 };
+use kinference_tokenizer::{PromptText, Tokenizer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -46,7 +47,9 @@ fn chat(system: &str, question: &str) -> PromptText {
             { "role": "user", "content": question }
         ]
     });
-    PromptText::of(&body::parse(body.to_string().as_bytes()).unwrap())
+    body::parse(body.to_string().as_bytes())
+        .unwrap()
+        .prompt_text()
 }
 
 /// A Pod whose engine stored `tokens`' full blocks, shown in `pool`.

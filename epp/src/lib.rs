@@ -9,6 +9,7 @@ pub mod endpoints;
 pub mod extproc;
 pub mod flow;
 pub mod k8s;
+pub mod kv_cache;
 pub mod kv_events;
 pub mod lists;
 pub mod metrics;

@@ -11,12 +11,13 @@ use kinference_epp::endpoints::load_endpoints_file;
 use kinference_epp::extproc::ExtProcConfig;
 use kinference_epp::k8s;
 use kinference_epp::kv_events::subscriber::{Replay, Source};
-use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
+use kinference_epp::kv_events::tokenize::PromptTokenizer;
 use kinference_epp::picker::{DecisionLog, LogTarget, PickerConfig};
 use kinference_epp::policy_store::DEFAULT_POLICY;
 use kinference_epp::server::{Epp, Settings, bind, bind_events_ports, events_ports};
 use kinference_epp::{objectives, policy_file, provider_keys};
 use kinference_runtime::{AbortOnDrop, Supervisor, logs, shutdown_signal};
+use kinference_tokenizer::Tokenizer;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

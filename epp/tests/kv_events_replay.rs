@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::{EndpointRegistry, EndpointSpec, endpoints_from_specs};
-use kinference_epp::kv_events::index::SILENCE;
+use kinference_epp::kv_cache::index::SILENCE;
+use kinference_epp::kv_cache::{Freshness, IndexUse};
 use kinference_epp::kv_events::subscriber::{self, EventStats, Replay, Source};
 use kinference_epp::kv_events::zmtp::Limits;
-use kinference_epp::kv_events::{Freshness, IndexUse};
 use kinference_epp::metrics::Metrics;
 use kinference_epp::predict::DestinationState;
 use kinference_testbed::peers::vllm_publisher;

@@ -10,13 +10,14 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use kinference_epp::endpoints::EndpointSpec;
-use kinference_epp::kv_events::Freshness;
+use kinference_epp::kv_cache::Freshness;
 use kinference_epp::kv_events::subscriber::Source;
-use kinference_epp::kv_events::tokenize::{PromptTokenizer, Tokenizer};
+use kinference_epp::kv_events::tokenize::PromptTokenizer;
 use kinference_epp::server::Epp;
 use kinference_epp::server::Settings;
 use kinference_testbed::envoy::Envoy;
 use kinference_testbed::llmd_sim::{LlmdSim, ensure_llmd_sim};
+use kinference_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -356,9 +357,9 @@ async fn a_prefix_routed_moments_ago_counts_before_the_engines_events_say_so() {
 /// The chain of `body`'s prompt as the EPP computes it.
 fn chain_of(body: &Value) -> std::sync::Arc<[u64]> {
     let parsed = kinference_epp::extproc::body::parse(body.to_string().as_bytes()).unwrap();
-    let prompt = kinference_epp::kv_events::tokenize::PromptText::of(&parsed);
+    let prompt = parsed.prompt_text();
     let ids = Tokenizer::simulator_dummy().tokens(&prompt).unwrap();
-    kinference_epp::kv_events::tokenize::PromptTokens::new(ids).chain(BLOCK_SIZE, None)
+    kinference_epp::kv_cache::PromptTokens::new(ids).chain(BLOCK_SIZE, None)
 }
 
 #[tokio::test]

@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 
+use kinference_tokenizer::PromptText;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -109,6 +110,18 @@ pub enum BodyError {
     NotJson(String),
     #[error("the request body must be a JSON object")]
     NotObject,
+}
+
+impl ParsedBody {
+    /// The prompt as a tokenizer reads it (a copy: tokenizing runs on
+    /// another thread). The parser lays a chat out as
+    /// `kinference_tokenizer::PromptText::chat` does.
+    pub fn prompt_text(&self) -> PromptText {
+        PromptText {
+            text: self.prompt.clone(),
+            messages: self.messages.clone(),
+        }
+    }
 }
 
 pub fn parse(bytes: &[u8]) -> Result<ParsedBody, BodyError> {
@@ -268,6 +281,18 @@ mod ordered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chat_reaches_the_tokenizer_laid_out_as_it_expects() {
+        let chat = parse(br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#).unwrap();
+        let expected = PromptText::chat([("system", "be brief"), ("user", "hi")]);
+        assert_eq!(chat.prompt_text(), expected);
+        let completion = parse(br#"{"model":"m","prompt":"Once upon"}"#).unwrap();
+        assert_eq!(
+            completion.prompt_text(),
+            PromptText::completion("Once upon")
+        );
+    }
 
     #[test]
     fn invalid_utf8_anywhere_is_refused_even_in_members_not_read() {

@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
 
-use super::subscriber::{EventStats, forward};
+use super::stats::{EventStats, forward};
 use super::zmtp::Limits;
 use crate::endpoints::EndpointRegistry;
 

@@ -10,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 
 use super::mismatch::{Check, MismatchWatch, advice};
 use super::tokenize::PromptTokenizer;
-use crate::predict::sync::lock;
+use kinference_runtime::sync::lock;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Result {

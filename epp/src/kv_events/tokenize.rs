@@ -5,23 +5,20 @@
 //! once ([`slots`]), and within a time budget: a request whose prompt is
 //! not tokenized in time (or finds every tokenizer busy) is matched by the
 //! approximate index instead, and the metrics say so. Work that runs on
-//! past its budget runs at a lower priority ([`super::tokenize_pool`]).
+//! past its budget runs at a lower priority (`kinference_tokenizer::threads`).
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use regex::Regex;
 use tokio::sync::Semaphore;
 
-use super::hf::{HfTokenizer, LoadError, TokenizeError};
-use super::index::{chain_root, token_chain};
-use super::tokenize_pool::TokenizePool;
-use crate::extproc::body::ParsedBody;
-use crate::predict::MAX_BLOCKS;
+use kinference_tokenizer::threads::TokenizePool;
+use kinference_tokenizer::{PromptText, TokenizeError, Tokenizer};
+
+use crate::kv_cache::PromptTokens;
 
 /// Tokenizations running at once, at most: half the cores, 1 to 4. A
 /// tokenization over its budget runs on when its ids will be kept for the
@@ -35,147 +32,6 @@ pub fn slots() -> usize {
 
 /// The tokenizer threads' name.
 const THREAD_NAME: &str = "kv-tokenize";
-
-/// What a tokenizer needs of a request: the prompt text as the EPP parsed
-/// it, and for chat requests each message's role and content in it.
-#[derive(Debug, Clone, Default)]
-pub struct PromptText {
-    pub text: String,
-    pub messages: Vec<(Range<usize>, Range<usize>)>,
-}
-
-impl PromptText {
-    /// The prompt of a parsed request body (a copy: tokenizing runs on
-    /// another thread).
-    pub fn of(body: &ParsedBody) -> PromptText {
-        PromptText {
-            text: body.prompt.clone(),
-            messages: body.messages.clone(),
-        }
-    }
-}
-
-/// How prompts are turned into token ids.
-#[derive(Debug)]
-pub enum Tokenizer {
-    /// The model's own: `tokenizer.json` and its chat template.
-    HuggingFace(Box<HfTokenizer>),
-    /// llm-d-inference-sim's `--force-dummy-tokenizer`: FOR TESTS AGAINST
-    /// THAT SIMULATOR ONLY. A chat is rendered `"### <role>: <content>\n"`
-    /// per message, tokens are the matches of a fixed pattern (a word or one
-    /// punctuation character, with the whitespace after it) and each id is
-    /// the FNV-1a 32-bit hash of its match.
-    SimulatorDummy(Regex),
-}
-
-impl Tokenizer {
-    pub fn simulator_dummy() -> Tokenizer {
-        // Go's RE2 `\w` and `\s` are ASCII-only: spelled out here.
-        let pattern = r#"(\{|\}|:|,|-|\.|\?|!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|-|_|~|/|\\|>|<|\[|\]|=|"|'|[0-9A-Za-z_]+)([\t\n\x0C\r ]*)"#;
-        Tokenizer::SimulatorDummy(Regex::new(pattern).expect("a valid pattern"))
-    }
-
-    /// Loads the Hugging Face tokenizer in `dir`.
-    pub fn hugging_face(dir: &std::path::Path) -> Result<Tokenizer, LoadError> {
-        Ok(Tokenizer::HuggingFace(Box::new(HfTokenizer::load(dir)?)))
-    }
-
-    /// The token ids of `prompt`.
-    pub fn tokens(&self, prompt: &PromptText) -> Result<Vec<u32>, TokenizeError> {
-        self.tokens_within(prompt, None)
-    }
-
-    /// [`tokens`](Self::tokens), refusing work that would run past `budget`
-    /// and serve nothing after it (see `hf`).
-    pub fn tokens_within(
-        &self,
-        prompt: &PromptText,
-        budget: Option<Duration>,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        match self {
-            Tokenizer::HuggingFace(hf) => hf.tokens_within(prompt, budget),
-            Tokenizer::SimulatorDummy(re) => {
-                let rendered;
-                let text = if prompt.messages.is_empty() {
-                    prompt.text.strip_suffix('\n').unwrap_or(&prompt.text)
-                } else {
-                    rendered = render_simulator_chat(prompt);
-                    &rendered
-                };
-                Ok(re.find_iter(text).map(|m| fnv1a_32(m.as_str())).collect())
-            }
-        }
-    }
-}
-
-fn render_simulator_chat(prompt: &PromptText) -> String {
-    let mut out = String::with_capacity(prompt.text.len() + 8 * prompt.messages.len());
-    for (role, content) in &prompt.messages {
-        out.push_str("### ");
-        out.push_str(&prompt.text[role.clone()]);
-        out.push_str(": ");
-        out.push_str(&prompt.text[content.clone()]);
-        out.push('\n');
-    }
-    out
-}
-
-fn fnv1a_32(s: &str) -> u32 {
-    s.bytes().fold(0x811c_9dc5, |h: u32, b| {
-        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-    })
-}
-
-/// A chain, keyed by its block size and its root.
-type Chains = Vec<(u32, u64, Arc<[u64]>)>;
-
-/// A request's prompt tokens, and its chain per block size (engines may
-/// use different ones) and LoRA adapter.
-#[derive(Debug)]
-pub struct PromptTokens {
-    tokens: Vec<u32>,
-    /// (block size, chain root) → the chain.
-    chains: std::sync::Mutex<Chains>,
-}
-
-impl PromptTokens {
-    pub fn new(tokens: Vec<u32>) -> PromptTokens {
-        PromptTokens {
-            tokens,
-            chains: Default::default(),
-        }
-    }
-
-    /// The token ids.
-    pub fn ids(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    /// The chain of full blocks of `block_size` tokens, rooted at the LoRA
-    /// adapter the request names (`None`: the base model), as the engine
-    /// roots the blocks it stores.
-    pub fn chain(&self, block_size: u32, adapter: Option<&str>) -> Arc<[u64]> {
-        let root = chain_root(adapter);
-        let mut chains = crate::predict::sync::lock(&self.chains);
-        if let Some((_, _, c)) = chains
-            .iter()
-            .find(|(bs, r, _)| *bs == block_size && *r == root)
-        {
-            return Arc::clone(c);
-        }
-        let mut out = Vec::new();
-        token_chain(
-            root,
-            &self.tokens,
-            block_size as usize,
-            MAX_BLOCKS,
-            &mut out,
-        );
-        let chain: Arc<[u64]> = out.into();
-        chains.push((block_size, root, Arc::clone(&chain)));
-        chain
-    }
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Outcome {
@@ -272,71 +128,9 @@ fn outcome_of(done: &Result<Vec<u32>, TokenizeError>) -> &'static str {
 #[cfg(test)]
 mod tests {
     #[cfg(target_os = "linux")]
-    use super::super::tokenize_pool::OVERTIME_NICE_STEPS;
+    use kinference_tokenizer::threads::OVERTIME_NICE_STEPS;
+
     use super::*;
-
-    /// A chat request's prompt, as the EPP parses it.
-    fn chat(messages: &[(&str, &str)]) -> PromptText {
-        let messages: Vec<_> = messages
-            .iter()
-            .map(|(role, content)| serde_json::json!({ "role": role, "content": content }))
-            .collect();
-        let body = serde_json::json!({ "model": "m", "messages": messages });
-        PromptText::of(&crate::extproc::body::parse(body.to_string().as_bytes()).unwrap())
-    }
-
-    #[test]
-    fn fnv1a_32_matches_its_published_vectors() {
-        assert_eq!(fnv1a_32(""), 0x811c_9dc5);
-        assert_eq!(fnv1a_32("a"), 0xe40c_292c);
-        assert_eq!(fnv1a_32("foobar"), 0xbf9c_f968);
-    }
-
-    #[test]
-    fn the_simulator_dummy_splits_words_and_punctuation_with_their_whitespace() {
-        let Tokenizer::SimulatorDummy(re) = Tokenizer::simulator_dummy() else {
-            unreachable!()
-        };
-        let parts: Vec<&str> = re
-            .find_iter("### user: Hi, _x_y  there!\n")
-            .map(|m| m.as_str())
-            .collect();
-        assert_eq!(
-            parts,
-            [
-                "#", "#", "# ", "user", ": ", "Hi", ", ", "_", "x_y  ", "there", "!\n"
-            ]
-        );
-        // Non-ASCII letters are not word characters in Go's RE2.
-        assert_eq!(re.find_iter("é").count(), 0);
-    }
-
-    #[test]
-    fn a_chat_renders_as_the_simulator_renders_it() {
-        let t = Tokenizer::simulator_dummy();
-        let p = chat(&[("system", "be brief"), ("user", "hello")]);
-        let direct = Tokenizer::simulator_dummy();
-        let Tokenizer::SimulatorDummy(re) = &direct else {
-            unreachable!()
-        };
-        let expected: Vec<u32> = re
-            .find_iter("### system: be brief\n### user: hello\n")
-            .map(|m| fnv1a_32(m.as_str()))
-            .collect();
-        assert_eq!(t.tokens(&p).unwrap(), expected);
-    }
-
-    #[test]
-    fn chains_are_cached_per_block_size() {
-        let p = PromptTokens::new((0..40).collect());
-        assert_eq!(p.chain(16, None).len(), 2);
-        assert_eq!(p.chain(8, None).len(), 5);
-        assert!(Arc::ptr_eq(&p.chain(16, None), &p.chain(16, None)));
-        // An adapter's chain is its own: no block in common with the base's.
-        let lora = p.chain(16, Some("sql-lora"));
-        assert_eq!(lora.len(), 2);
-        assert!(lora.iter().all(|b| !p.chain(16, None).contains(b)));
-    }
 
     #[test]
     fn a_prompt_not_worth_encoding_is_told_apart_from_one_over_budget() {
@@ -373,7 +167,8 @@ mod tests {
             messages: Vec::new(),
         };
         assert!(t.tokenize(big).await.is_none());
-        // It runs on, lowered (tokenize_pool.rs): seen while it runs.
+        // It runs on, lowered (`kinference_tokenizer::threads`): seen while
+        // it runs.
         #[cfg(target_os = "linux")]
         {
             let me = rustix::process::getpriority_process(None).unwrap();
@@ -397,7 +192,11 @@ mod tests {
         let _held: Vec<_> = (0..slots())
             .map(|_| Arc::clone(&t.slots).try_acquire_owned().unwrap())
             .collect();
-        assert!(t.tokenize(chat(&[("user", "hi")])).await.is_none());
+        assert!(
+            t.tokenize(PromptText::chat([("user", "hi")]))
+                .await
+                .is_none()
+        );
         let ok = Outcome { outcome: "busy" };
         assert_eq!(t.outcomes.get_or_create(&ok).get(), 1);
     }

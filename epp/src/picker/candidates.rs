@@ -15,10 +15,10 @@ use std::sync::Arc;
 use super::placement::{self, Local, Overflow, Pod, PoolFacts};
 use super::{LocalPick, Pick, Picker, ProviderCredential, ProviderPick};
 use crate::endpoints::EndpointView;
-use crate::kv_events::PodKvIndex;
-use crate::kv_events::index::PodSlots;
-use crate::kv_events::pool::PoolIndex;
-use crate::kv_events::tokenize::PromptTokens;
+use crate::kv_cache::PodKvIndex;
+use crate::kv_cache::PromptTokens;
+use crate::kv_cache::index::PodSlots;
+use crate::kv_cache::pool::PoolIndex;
 use crate::policy_store::LoadedPolicy;
 use crate::predict::{DestinationState, TtftFeatures, TtftPredictor};
 
@@ -571,7 +571,7 @@ mod tests {
         stored_for: Option<&str>,
     ) -> crate::endpoints::EndpointView {
         use crate::endpoints::{Endpoint, ScrapedMetrics};
-        use crate::kv_events::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
+        use crate::kv_cache::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
         use crate::predict::{DestinationConfig, DestinationState};
         let state = DestinationState::new(&DestinationConfig::default());
         if let Some(adapter) = stored_for {

@@ -34,9 +34,10 @@ use crate::extproc::body::{Api, estimate_tokens};
 use crate::extproc::router::Usage;
 use crate::extproc::router::{LocalRoute, ProviderRoute, ResponseFacts, Route, Router};
 use crate::flow::{Bounds, FlowControl, Next, Place, Shed, Turn};
+use crate::kv_cache::PromptTokens;
 use crate::kv_events::mismatch::Check;
 use crate::kv_events::precise::PreciseMode;
-use crate::kv_events::tokenize::{PromptText, PromptTokenizer, PromptTokens};
+use crate::kv_events::tokenize::PromptTokenizer;
 use crate::metrics::{DecisionOutcome, Metrics};
 use crate::objectives::{FAIRNESS_HEADER, OBJECTIVE_HEADER, Objectives};
 use crate::policy_store::{LoadedPolicy, PolicyStore};
@@ -265,7 +266,7 @@ impl Picker {
         let precise = self.precise.get()?;
         precise
             .tokenizer
-            .tokenize(PromptText::of(incoming.body))
+            .tokenize(incoming.body.prompt_text())
             .await
     }
 

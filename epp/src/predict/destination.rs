@@ -13,9 +13,9 @@ use super::routed::RoutedPrefixes;
 use super::stats::{DestStats, StatsConfig};
 use super::token_ratio::TokenRatio;
 use super::ttft::EndpointTtft;
-use crate::kv_events::PodKvIndex;
-use crate::kv_events::index::DEFAULT_CAPACITY;
-use crate::kv_events::pool::PoolIndex;
+use crate::kv_cache::PodKvIndex;
+use crate::kv_cache::index::DEFAULT_CAPACITY;
+use crate::kv_cache::pool::PoolIndex;
 
 /// How a new destination's state starts.
 #[derive(Debug, Clone, Copy)]

@@ -10,7 +10,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Mutex, RwLock};
 
-use crate::predict::sync::lock;
+use kinference_runtime::sync::{lock, read, write};
 
 /// Lock shards: event streams of different Pods and the request path
 /// rarely wait on each other.
@@ -128,7 +128,7 @@ impl PoolIndex {
 
     /// The engine in `slot` now holds `block`.
     pub fn add(&self, block: u64, slot: u32) {
-        let mut shard = self.shard(block).write().unwrap_or_else(|e| e.into_inner());
+        let mut shard = write(self.shard(block));
         shard
             .entry(block)
             .and_modify(|h| h.set(slot))
@@ -137,7 +137,7 @@ impl PoolIndex {
 
     /// The engine in `slot` no longer holds `block`.
     pub fn remove(&self, block: u64, slot: u32) {
-        let mut shard = self.shard(block).write().unwrap_or_else(|e| e.into_inner());
+        let mut shard = write(self.shard(block));
         if let Some(h) = shard.get_mut(&block)
             && h.clear(slot)
         {
@@ -159,7 +159,7 @@ impl PoolIndex {
         let mut out = Vec::with_capacity(slots.len());
         let mut depth = chain.len();
         for (i, block) in chain.iter().enumerate() {
-            let shard = self.shard(*block).read().unwrap_or_else(|e| e.into_inner());
+            let shard = read(self.shard(*block));
             let holders = shard.get(block);
             let mut any = false;
             for (w, word) in alive.iter_mut().enumerate() {

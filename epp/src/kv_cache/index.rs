@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::pool::PoolIndex;
 use super::wire::{BlockStored, EngineBlock, EventBatch, KvEvent};
-use crate::predict::sync::lock;
+use kinference_runtime::sync::lock;
 
 /// A Pod that has published nothing for this long since it was sent a
 /// request has most likely stopped publishing (an engine stores blocks at
@@ -531,7 +531,7 @@ impl PodKvIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::wire::BlockRemoved;
+    use crate::kv_cache::wire::BlockRemoved;
 
     const BS: u32 = 4;
 

@@ -36,7 +36,7 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value, context};
 use serde::Deserialize;
 
-use super::tokenize::PromptText;
+use crate::PromptText;
 
 /// Why a tokenizer directory cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -451,7 +451,7 @@ impl Pieces {
                 false => Ok(Piece::NotWorthEncoding),
             };
         }
-        let key = xxh3_128_with_seed(text.as_bytes(), super::index::chain_seed());
+        let key = xxh3_128_with_seed(text.as_bytes(), segment_seed());
         let (kept, admitted) = {
             let mut cache = self.lock();
             cache.sight(key);
@@ -639,6 +639,13 @@ fn chat_environment(source: String) -> Result<Environment<'static>, JinjaError> 
     });
     env.add_template_owned(CHAT, source)?;
     Ok(env)
+}
+
+/// The seed of the kept pieces' keys: random per process, so that text a
+/// client chose cannot be made to collide with another's piece.
+fn segment_seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(rand::random::<u64>)
 }
 
 #[cfg(test)]
@@ -830,7 +837,7 @@ mod tests {
         assert_eq!(ids.len(), 1 + 3_000);
         let mut cache = p.lock();
         assert_eq!(cache.hits + cache.misses, 1);
-        let key = xxh3_128_with_seed(long.as_bytes(), super::super::index::chain_seed());
+        let key = xxh3_128_with_seed(long.as_bytes(), segment_seed());
         assert!(cache.get(key).is_some(), "kept");
         assert!(cache.get(1).is_none(), "room was made");
     }

