@@ -51,7 +51,7 @@ rules:
 }
 
 fn keys(epp: &Epp) -> BTreeMap<String, String> {
-    (**epp.picker.provider_keys.load()).clone()
+    (**epp.picker.provider_keys().load()).clone()
 }
 
 fn map(list: &[(&str, &str)]) -> BTreeMap<String, String> {

@@ -122,7 +122,7 @@ fn epp_exposition() -> String {
         epp.registry()
             .set_metrics(&ep.name, ScrapedMetrics::empty(Instant::now()));
     }
-    let metrics = &epp.picker.metrics;
+    let metrics = &epp.picker.metrics();
     metrics.pool.set_pool_name("pool");
     metrics.export_kv_index_states();
     metrics.set_ready(true);
@@ -133,7 +133,7 @@ fn epp_exposition() -> String {
         Duration::from_millis(1),
     );
     // A request waits and another, of the same priority, finds no place.
-    let flow = &epp.picker.flow;
+    let flow = &epp.picker.flow();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let _waiting = runtime.block_on(async {
         use kinference_epp::flow::{Bounds, Place};

@@ -274,7 +274,7 @@ fn build_epp(policy: &str, pods: &[SimHandle]) -> anyhow::Result<Epp> {
     });
     epp.registry().replace_all(endpoints_from_specs(specs)?);
     epp.registry().mark_synced();
-    epp.picker.provider_keys.store(Arc::new(
+    epp.picker.provider_keys().store(Arc::new(
         [(PROVIDER.to_string(), PROVIDER_KEY.to_string())].into(),
     ));
     Ok(epp)
@@ -285,7 +285,7 @@ fn build_epp(policy: &str, pods: &[SimHandle]) -> anyhow::Result<Epp> {
 fn epp_histogram(epp: &Epp, name: &str) -> (f64, f64) {
     let text = epp
         .picker
-        .metrics
+        .metrics()
         .render(epp.registry(), epp.policy().loaded_hash().as_deref());
     let total = |suffix: &str| metric_sum(&text, &format!("{name}_{suffix}"));
     (total("count"), total("sum"))

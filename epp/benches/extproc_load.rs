@@ -234,7 +234,7 @@ fn epp_router(epp: &Epp) -> Router {
     builder().add_service(
         ExtProcService::new(
             epp.picker.clone(),
-            epp.picker.metrics.clone(),
+            epp.picker.metrics().clone(),
             epp.settings.ext_proc.clone(),
         )
         .into_server(),
@@ -959,7 +959,7 @@ struct EppCounters {
 impl EppCounters {
     fn read(epp: &Epp) -> Self {
         let hash = epp.policy().loaded_hash();
-        let text = epp.picker.metrics.render(epp.registry(), hash.as_deref());
+        let text = epp.picker.metrics().render(epp.registry(), hash.as_deref());
         let sum =
             |name: &str| metric_sum(&text, name) + metric_sum(&text, &format!("{name}_total"));
         EppCounters {

@@ -123,7 +123,7 @@ async fn run(policy: &str, plan: &[Planned]) -> anyhow::Result<Vec<Band>> {
         sims.push(kinference_simulator::spawn(config, "127.0.0.1:0".parse()?).await?);
     }
     let (addr, epp) = start_epp(policy, MODEL, &sims).await?;
-    epp.epp.picker.objectives.replace(
+    epp.epp.picker.objectives().replace(
         PRIORITIES
             .iter()
             .map(|&(name, priority, _)| (name.to_string(), priority))

@@ -210,7 +210,7 @@ pub struct Args {
 }
 
 /// The Inference Extension's API group, whose v1 InferencePool is served.
-pub const POOL_GROUP: &str = "inference.networking.k8s.io";
+pub(crate) const POOL_GROUP: &str = "inference.networking.k8s.io";
 
 fn parse_pool_group(s: &str) -> Result<String, String> {
     if s == POOL_GROUP {

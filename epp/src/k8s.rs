@@ -52,7 +52,7 @@ pub async fn watch_policy_configmap(epp: Epp, client: Client, namespace: String,
 
 /// A pool's model-server Pods: their label selector and target ports (in
 /// order: the order names the data-parallel ranks).
-pub type PoolTarget = (BTreeMap<String, String>, Vec<u16>);
+pub(crate) type PoolTarget = (BTreeMap<String, String>, Vec<u16>);
 
 /// Runs Pod discovery for the loaded policy's pool, restarting it when the
 /// selector or the list of target ports (any of them, or their order) changes.
@@ -190,7 +190,7 @@ pub async fn watch_provider_secrets(epp: Epp, client: Client, namespace: String)
 }
 
 /// How often a provider Secret is read again.
-pub const SECRET_REFRESH: Duration = Duration::from_secs(2);
+pub(crate) const SECRET_REFRESH: Duration = Duration::from_secs(2);
 
 /// Reads one Secret by name now and every [`SECRET_REFRESH`], mirroring its
 /// data into `cache`. An error keeps the last data read (an API server
@@ -241,10 +241,10 @@ pub struct StatusReport {
 
 /// How often the report is checked again without a policy change: mounted
 /// Secrets change without notice, and a key someone deleted comes back.
-pub const STATUS_RECHECK: Duration = Duration::from_secs(5);
+pub(crate) const STATUS_RECHECK: Duration = Duration::from_secs(5);
 /// Rewrites an unchanged report this often, in case the ConfigMap was
 /// recreated (a merge patch of unchanged data writes nothing).
-pub const STATUS_REASSERT: Duration = Duration::from_secs(60);
+pub(crate) const STATUS_REASSERT: Duration = Duration::from_secs(60);
 
 /// Keeps this Pod's entry in the EPP status ConfigMap current: the policy
 /// hash it has loaded and, with a secrets dir, which provider keys it has.

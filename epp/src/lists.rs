@@ -2,7 +2,7 @@
 //! carry lists (`"a, b,,c"`).
 
 /// The entries of `s`, trimmed, empty ones dropped.
-pub fn comma_separated(s: &str) -> impl Iterator<Item = &str> {
+pub(crate) fn comma_separated(s: &str) -> impl Iterator<Item = &str> {
     s.split(',').map(str::trim).filter(|e| !e.is_empty())
 }
 

@@ -106,7 +106,7 @@ fn start_local_sources(args: &Args, epp: &Epp, tasks: &mut Supervisor) -> anyhow
     }
     if let Some(target) = &args.decision_log {
         let target = LogTarget::parse(target);
-        let dropped = epp.picker.metrics.decision_log_dropped();
+        let dropped = epp.picker.metrics().decision_log_dropped();
         let log = DecisionLog::start(
             &target,
             args.decision_log_sample,
@@ -114,7 +114,7 @@ fn start_local_sources(args: &Args, epp: &Epp, tasks: &mut Supervisor) -> anyhow
             args.decision_log_max_bytes,
         )
         .with_context(|| format!("opening the decision log {target:?}"))?;
-        let _ = epp.picker.decision_log.set(log);
+        let _ = epp.picker.decision_log().set(log);
         tracing::info!(target = ?target, sample = args.decision_log_sample, "writing a decision log");
     }
     if let Some(path) = &args.endpoints_file {
@@ -124,7 +124,7 @@ fn start_local_sources(args: &Args, epp: &Epp, tasks: &mut Supervisor) -> anyhow
         epp.registry().mark_synced();
     }
     if let Some(name) = args.metrics_pool_name.as_ref().or(args.pool_name.as_ref()) {
-        epp.picker.metrics.pool.set_pool_name(name);
+        epp.picker.metrics().pool.set_pool_name(name);
     }
     Ok(())
 }
@@ -169,7 +169,7 @@ fn start_kubernetes_watches(args: &Args, epp: &Epp, client: &kube::Client, tasks
         });
     }
     if let Some(pool) = args.metrics_pool_name.clone().or(args.pool_name.clone()) {
-        let objectives = epp.picker.objectives.clone();
+        let objectives = epp.picker.objectives().clone();
         let pool_ns = args.pool_namespace.clone().unwrap_or(ns.clone());
         let client = client.clone();
         tasks.spawn("objectives", move || {

@@ -228,7 +228,7 @@ impl Default for Metrics {
 impl Metrics {
     /// The scrape counters rendered here; hand them to
     /// [`crate::endpoints::spawn_scraper_with_stats`].
-    pub fn scrape_stats(&self) -> Arc<ScrapeStats> {
+    pub(crate) fn scrape_stats(&self) -> Arc<ScrapeStats> {
         Arc::clone(&self.scrape)
     }
 
@@ -305,7 +305,7 @@ impl Metrics {
     }
 
     /// Serves `counter` as `kinference_epp_policy_refusals_total`.
-    pub fn register_policy_refusals(&self, counter: Counter) {
+    pub(crate) fn register_policy_refusals(&self, counter: Counter) {
         self.register_counter(
             "policy_refusals",
             "New policies refused (invalid, unreadable); the last good one keeps serving",
@@ -341,16 +341,16 @@ impl Metrics {
     }
 
     /// The open-streams gauge, for [`crate::extproc::limits::StreamGuard`].
-    pub fn streams_open(&self) -> &Gauge {
+    pub(crate) fn streams_open(&self) -> &Gauge {
         &self.streams_open
     }
 
     /// The gauge [`crate::extproc::limits::BodyBudget`] counts in.
-    pub fn buffered_body_bytes(&self) -> Gauge {
+    pub(crate) fn buffered_body_bytes(&self) -> Gauge {
         self.buffered_body_bytes.clone()
     }
 
-    pub fn stream_refused(&self, reason: &str) {
+    pub(crate) fn stream_refused(&self, reason: &str) {
         self.stream_refusals
             .get_or_create(&labels(&[("reason", reason)]))
             .inc();
@@ -358,7 +358,7 @@ impl Metrics {
 
     /// The gateway reported another Pod than the pick as the one that
     /// answered.
-    pub fn fallback_answered(&self) {
+    pub(crate) fn fallback_answered(&self) {
         self.fallback_answers.inc();
     }
 

@@ -13,10 +13,10 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 /// The header a request names its objective in (the reference EPP's).
-pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+pub(crate) const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
 /// The header a request names its flow in: flows of one priority take
 /// turns (the reference EPP's).
-pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+pub(crate) const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 
 /// Priorities by objective name.
 #[derive(Default)]

@@ -47,7 +47,7 @@ pub fn key_refs(policy: &CompiledPolicy) -> Vec<KeyRef> {
 }
 
 /// The key references of the policy `epp` serves now; none before one is loaded.
-pub fn current_key_refs(epp: &Epp) -> Vec<KeyRef> {
+pub(crate) fn current_key_refs(epp: &Epp) -> Vec<KeyRef> {
     epp.policy()
         .current()
         .map(|p| key_refs(&p.compiled))
@@ -110,7 +110,7 @@ pub fn resolve(refs: &[KeyRef], mut lookup: impl FnMut(&KeyRef) -> KeyLookup) ->
 /// since the last call: providers gaining or losing a key, and each newly
 /// missing key once.
 #[derive(Debug, Default)]
-pub struct KeyPublisher {
+pub(crate) struct KeyPublisher {
     missing: BTreeSet<MissingKey>,
 }
 

@@ -57,8 +57,8 @@ impl Default for Settings {
         Settings {
             ext_proc: ExtProcConfig::default(),
             picker: PickerConfig::default(),
-            scrape_interval: Duration::from_millis(50),
-            scrape_timeout: Duration::from_millis(200),
+            scrape_interval: crate::endpoints::DEFAULT_SCRAPE_INTERVAL,
+            scrape_timeout: crate::endpoints::DEFAULT_SCRAPE_TIMEOUT,
             secure_serving: false,
             client_ca_pem: None,
         }

@@ -161,7 +161,7 @@ impl Stack {
         epp.registry().mark_synced();
         epp.spawn_scraper();
         if setup.provider && setup.provider_key {
-            epp.picker.provider_keys.store(std::sync::Arc::new(
+            epp.picker.provider_keys().store(std::sync::Arc::new(
                 [("cloud".to_string(), PROVIDER_KEY.to_string())].into(),
             ));
         }
@@ -653,7 +653,11 @@ async fn a_fallback_is_credited_to_the_pod_that_answered() {
             assert_eq!(record.attempts, 2, "{report}: not a fallback: {record:?}");
         }
         let (a, b) = (stack.learnt(0).await, stack.learnt(1).await);
-        let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+        let metrics = stack
+            .epp
+            .picker
+            .metrics()
+            .render(stack.epp.registry(), None);
         assert!(
             metrics.contains("\nkinference_epp_fallback_answers_total 3\n"),
             "{report}: {metrics}"
@@ -772,7 +776,11 @@ async fn every_predicted_request_reports_its_ttft_prediction_error() {
     for i in 0..2 {
         assert_eq!(stack.learnt(i).await.running, 0);
     }
-    let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+    let metrics = stack
+        .epp
+        .picker
+        .metrics()
+        .render(stack.epp.registry(), None);
     let count = |d| {
         sample(
             &metrics,
@@ -836,9 +844,13 @@ async fn the_ttft_model_learns_the_same_law_whenever_the_engine_sends_its_header
             .unwrap();
         let predict = |tokens: f64| {
             let features = TtftFeatures::new(0.0, 0.0, tokens, 0.0, 0.0);
-            stack.epp.picker.ttft.predict(&state.ttft, &features)
+            stack.epp.picker.ttft().predict(&state.ttft, &features)
         };
-        let metrics = stack.epp.picker.metrics.render(stack.epp.registry(), None);
+        let metrics = stack
+            .epp
+            .picker
+            .metrics()
+            .render(stack.epp.registry(), None);
         let of = |suffix: &str| {
             let name = format!("kinference_epp_ttft_prediction_relative_error_{suffix}");
             sample(&metrics, &name, "over") + sample(&metrics, &name, "under")
@@ -1024,7 +1036,7 @@ async fn the_decision_log_replays_to_the_decisions_made_behind_envoy() {
         None,
     )
     .unwrap();
-    assert!(stack.epp.picker.decision_log.set(log).is_ok());
+    assert!(stack.epp.picker.decision_log().set(log).is_ok());
     let sent = [("alice", "a"), ("bob", "b"), ("alice", "a")];
     for (tenant, pod) in sent {
         let answer = stack

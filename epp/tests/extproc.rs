@@ -348,7 +348,7 @@ async fn model_rewrite_fixes_body_and_content_length() {
 async fn provider_pick_routes_by_header_with_credentials_and_mapped_model() {
     let policy = "providers:\n  - name: openai\n    baseURL: https://api.openai.test/v1\n    secretRef: { name: k }\n    models: [{ name: qwen, targetModel: gpt-4o-mini }]\nrules:\n  - name: overflow\n    route:\n      consider: [{ backends: { type: Provider } }]\n      select: [{ order: [openai] }]\n";
     let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
-    h.epp.picker.provider_keys.store(Arc::new(
+    h.epp.picker.provider_keys().store(Arc::new(
         [("openai".to_string(), "sk-test".to_string())].into(),
     ));
     let (outcome, _) = h
@@ -723,7 +723,7 @@ async fn the_ttft_model_learns_what_the_engine_had_cached_not_what_the_index_gue
             .await;
     }
     let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
-    let model = &h.epp.picker.ttft;
+    let model = &h.epp.picker.ttft();
     assert_eq!(model.observations(&state.ttft), 40, "each answer once");
     let tokens = prompt.len() as f64 / 4.0;
     let cached = TtftFeatures::new(0.0, 0.0, tokens, tokens, 0.0);
@@ -751,7 +751,7 @@ async fn a_refused_request_teaches_no_ttft_and_counts_no_prediction_error() {
     let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
     let request = HttpRequest::post("/v1/chat/completions", chat("qwen", "hi"));
     let errors = |h: &Harness| {
-        let metrics = h.epp.picker.metrics.render(h.epp.registry(), None);
+        let metrics = h.epp.picker.metrics().render(h.epp.registry(), None);
         ["over", "under"]
             .map(|d| {
                 let prefix = format!(
@@ -827,7 +827,7 @@ async fn a_stream_that_will_not_report_usage_is_learnt_at_its_first_byte() {
     let policy = "rules:\n  - name: fast\n    route: { select: [{ minimize: PredictedTTFT }] }\n";
     let h = start(policy, vec![sim("a", &["qwen"]).await], 1 << 20).await;
     let state = h.epp.registry().state_at(&h.addr_of(0)).unwrap();
-    let learnt = || h.epp.picker.ttft.observations(&state.ttft);
+    let learnt = || h.epp.picker.ttft().observations(&state.ttft);
     let usage = serde_json::to_vec(&json!({
         "choices": [],
         "usage": { "prompt_tokens": 9, "prompt_tokens_details": { "cached_tokens": 0 } }
@@ -1151,7 +1151,7 @@ async fn queued_prefix_case(route: &str, idle_cache: Option<IdleCache>) -> Queue
     let lonely = ask(lonely, 1, None).await;
     scrape(2.0);
     let group = ask(team, 13, None).await;
-    let explained = epp.picker.recent.explain(1);
+    let explained = epp.picker.recent().explain(1);
     let ranking = &explained[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
     let group_ranking = ranking.as_array().into_iter().flatten();
     let group_ranking = group_ranking.map(|entry| entry.to_string()).collect();
@@ -1527,7 +1527,7 @@ async fn train_on_short_answers(client: &EppClient, pods: &[&str]) {
 
 /// Replicas the EPP has seeded, from its metrics.
 fn replica_seeds(epp: &Epp) -> u64 {
-    let metrics = epp.picker.metrics.render(epp.registry(), None);
+    let metrics = epp.picker.metrics().render(epp.registry(), None);
     metrics
         .lines()
         .find_map(|l| l.strip_prefix("kinference_epp_replica_seeds_total "))

@@ -63,7 +63,7 @@ impl Pool {
             ..Settings::default()
         });
         epp.policy().load_text(policy).expect("the policy compiles");
-        epp.picker.objectives.replace(HashMap::from([
+        epp.picker.objectives().replace(HashMap::from([
             ("chat".to_string(), 10),
             ("batch".to_string(), -1),
         ]));
@@ -115,18 +115,18 @@ impl Pool {
 
     async fn waiting(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.epp.picker.flow.waiting() != n {
+        while self.epp.picker.flow().waiting() != n {
             assert!(
                 Instant::now() < deadline,
                 "{} waiting, not {n}",
-                self.epp.picker.flow.waiting()
+                self.epp.picker.flow().waiting()
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
     fn metrics(&self) -> String {
-        self.epp.picker.metrics.render(self.epp.registry(), None)
+        self.epp.picker.metrics().render(self.epp.registry(), None)
     }
 
     /// Waits until `n` requests were decided to a Pod.
@@ -193,7 +193,7 @@ async fn room_goes_to_the_highest_priority_and_a_full_queue_sheds_the_lowest() {
     assert_eq!(shed, 2, "the two newest low-priority requests gave way");
     // The decisions that waited, in the order room came (`/debug/explain`
     // lists the newest first), each with its priority and its wait.
-    let explained = pool.epp.picker.recent.explain(16);
+    let explained = pool.epp.picker.recent().explain(16);
     let waits = |outcome: &str| -> Vec<i64> {
         explained
             .iter()
@@ -237,7 +237,7 @@ async fn a_wait_ends_at_max_wait_with_the_rules_reject_and_a_client_that_leaves_
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("no Pod had room (waited"), "{body}");
     assert!(started.elapsed() >= Duration::from_millis(400));
-    let explained = pool.epp.picker.recent.explain(1);
+    let explained = pool.epp.picker.recent().explain(1);
     assert_eq!(
         explained[0]["waited"]["outcome"], "expired",
         "{explained:#?}"

@@ -98,7 +98,7 @@ async fn access(envoy: &Envoy, id: &str) -> kinference_testbed::envoy::AccessRec
 
 /// `name{label="value"}`'s value in the EPP's exposition, 0 if absent.
 fn sample(epp: &Epp, name: &str, label: &str, value: &str) -> f64 {
-    let metrics = epp.picker.metrics.render(epp.registry(), None);
+    let metrics = epp.picker.metrics().render(epp.registry(), None);
     let prefix = format!("{name}{{{label}=\"{value}\"}} ");
     metrics
         .lines()
@@ -273,7 +273,7 @@ async fn goes_where_the_events_say(policy: fn(u16) -> String) {
             "round {round}: the prefix is cached on sim-{warm} (tokenizations ok {}, over budget {}); the decision: {}",
             tokenized("ok"),
             tokenized("over_budget"),
-            pool.epp.picker.recent.explain(1)[0]["trace"]
+            pool.epp.picker.recent().explain(1)[0]["trace"]
         );
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
@@ -301,7 +301,7 @@ async fn goes_where_the_events_say(policy: fn(u16) -> String) {
     let error_sum = "kinference_epp_cached_prefix_prediction_error_sum";
     assert!(sample(epp, error_sum, "source", "events") < 6.0 * 0.25);
     // /debug/explain says the winner's value came from its events.
-    let explain = epp.picker.recent.explain(1);
+    let explain = epp.picker.recent().explain(1);
     let ranking = &explain[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
     let winner = ranking[0][1].as_str().unwrap_or_default();
     assert!(winner.ends_with(" (events)"), "{ranking}");
@@ -332,7 +332,7 @@ async fn a_prefix_routed_moments_ago_counts_before_the_engines_events_say_so() {
         post(&pool.http, &url, &chat(10 + round, "first?"), &first).await;
         let answer = post(&pool.http, &url, &chat(10 + round, "second?"), &second).await;
         // Whether the route memory, not the events, decided it.
-        let explain = pool.epp.picker.recent.explain(1);
+        let explain = pool.epp.picker.recent().explain(1);
         let ranking = &explain[0]["trace"]["rules"][0]["tiers"][0]["ranking"];
         let winner = ranking[0][1].as_str().unwrap_or_default();
         from_routes += usize::from(winner.ends_with(" (estimate)"));

@@ -75,7 +75,7 @@ fn epp_with(policy: &str) -> Epp {
 
 fn keys(epp: &Epp) -> Vec<(String, String)> {
     epp.picker
-        .provider_keys
+        .provider_keys()
         .load()
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))

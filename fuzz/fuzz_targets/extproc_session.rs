@@ -373,7 +373,7 @@ fn epp(index: usize) -> &'static Epp {
             .iter()
             .map(|(p, k)| (p.to_string(), k.to_string()))
             .collect();
-        epp.picker.provider_keys.store(Arc::new(keys));
+        epp.picker.provider_keys().store(Arc::new(keys));
         epp
     })
 }
@@ -648,7 +648,7 @@ fn check_nothing_in_flight(epp: &Epp) {
         );
     }
     let policy = epp.policy().current().expect("a policy is loaded");
-    for state in epp.picker.providers.for_policy(&policy.compiled) {
+    for state in epp.picker.providers().for_policy(&policy.compiled) {
         assert_eq!(
             state.stats.running(),
             0,
@@ -681,7 +681,7 @@ fuzz_target!(|input: Input| {
     };
     world.runtime.block_on(async {
         set_loads(epp, &input.loads);
-        let service = ExtProcService::new(epp.picker.clone(), epp.picker.metrics.clone(), config);
+        let service = ExtProcService::new(epp.picker.clone(), epp.picker.metrics().clone(), config);
         let mut replies = service.open(futures::stream::iter(inbound));
         let mut out = Vec::new();
         let drained = tokio::time::timeout(Duration::from_secs(10), async {

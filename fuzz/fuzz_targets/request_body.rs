@@ -9,7 +9,6 @@
 //!   with the new model.
 #![no_main]
 
-
 use kinference_epp::extproc::body::{self, ParsedBody};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;

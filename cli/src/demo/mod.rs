@@ -207,7 +207,7 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         let target = LogTarget::File(path.clone());
         let log = DecisionLog::start(&target, 1.0, Default::default(), None)
             .with_context(|| format!("opening {}", path.display()))?;
-        let _ = epp.picker.decision_log.set(log);
+        let _ = epp.picker.decision_log().set(log);
     }
     let specs = servers
         .iter()
@@ -220,7 +220,7 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         });
     epp.registry().replace_all(endpoints_from_specs(specs)?);
     epp.registry().mark_synced();
-    epp.picker.provider_keys.store(Arc::new(provider_keys));
+    epp.picker.provider_keys().store(Arc::new(provider_keys));
     let scraper = epp.spawn_scraper();
     let ext_proc = TcpListener::bind(loopback()).await?;
     let ext_proc_addr = ext_proc.local_addr()?;

@@ -49,16 +49,16 @@ pub const MODELS_LABEL: &str = "kinference.io/models";
 /// Pod label naming the backend (serving stack) a Pod belongs to.
 pub const BACKEND_LABEL: &str = "kinference.io/backend";
 /// Well-known zone label.
-pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+pub(crate) const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 /// Label the Deployment controller puts on Pods (and in ReplicaSet names).
 const POD_TEMPLATE_HASH_LABEL: &str = "pod-template-hash";
 /// Pod annotation of the Inference Extension listing, comma-separated, which
 /// of the pool's target ports the Pod really serves (e.g. `"8000,8002"`).
 /// Absent: all of them.
-pub const ACTIVE_PORTS_ANNOTATION: &str = "inference.networking.k8s.io/active-ports";
+pub(crate) const ACTIVE_PORTS_ANNOTATION: &str = "inference.networking.k8s.io/active-ports";
 
 /// Timeout of one `GET /v1/models`.
-pub const MODELS_FETCH_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const MODELS_FETCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a Pod's `/v1/models` is re-read once it has answered.
 const MODELS_REFRESH: Duration = Duration::from_secs(30);
 const MODELS_RETRY_MIN: Duration = Duration::from_millis(500);
@@ -79,7 +79,7 @@ const MODELS_RETRY_MAX: Duration = Duration::from_secs(30);
 /// last `-rank-` of a name always splits it back into (Pod name, rank).
 /// The `endpoint` attribute policies see is this name; labels, backend, zone
 /// and node are the Pod's, the same for all its ranks.
-pub fn endpoint_name(pod: &str, rank: usize, ports: usize) -> String {
+pub(crate) fn endpoint_name(pod: &str, rank: usize, ports: usize) -> String {
     if ports <= 1 {
         pod.to_string()
     } else {
@@ -94,7 +94,7 @@ fn endpoint_names(pod: &str, ports: usize) -> impl Iterator<Item = String> + '_ 
 
 /// The Pod's [`ACTIVE_PORTS_ANNOTATION`], parsed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ActivePorts {
+pub(crate) struct ActivePorts {
     /// The valid port numbers listed (1..=65535).
     pub ports: BTreeSet<u16>,
     /// Entries that are not port numbers (non-numeric, 0, out of range); they
@@ -110,7 +110,7 @@ pub struct ActivePorts {
 /// the annotation is an explicit list, so the Pod then gets no traffic rather
 /// than traffic on ports it may not serve. Both match the reference EPP; the
 /// discovery loop logs a warning once per Pod and annotation value.
-pub fn parse_active_ports(value: &str) -> ActivePorts {
+pub(crate) fn parse_active_ports(value: &str) -> ActivePorts {
     let mut out = ActivePorts::default();
     for entry in comma_separated(value) {
         match entry.parse::<u16>() {
@@ -125,7 +125,7 @@ pub fn parse_active_ports(value: &str) -> ActivePorts {
 
 /// The Pod's active-ports annotation, parsed; `None` when it has none (all
 /// target ports are active).
-pub fn active_ports(pod: &Pod) -> Option<ActivePorts> {
+pub(crate) fn active_ports(pod: &Pod) -> Option<ActivePorts> {
     pod.metadata
         .annotations
         .as_ref()?
@@ -144,7 +144,8 @@ pub fn pod_to_endpoints(pod: &Pod, target_ports: &[u16]) -> Vec<Endpoint> {
 /// Single-port form of [`pod_to_endpoints`]: the endpoint named after the
 /// Pod, or `None` when it must not receive traffic (including when its
 /// active-ports annotation leaves `target_port` out).
-pub fn pod_to_endpoint(pod: &Pod, target_port: u16) -> Option<Endpoint> {
+#[cfg(test)]
+fn pod_to_endpoint(pod: &Pod, target_port: u16) -> Option<Endpoint> {
     pod_to_endpoints(pod, &[target_port]).pop()
 }
 

@@ -8,10 +8,10 @@ pub mod registry;
 pub mod scrape;
 pub mod standalone;
 
-pub use discovery::{pod_to_endpoint, run_pod_discovery};
-pub use registry::{Endpoint, EndpointRegistry, EndpointView, ScrapedMetrics, default_staleness};
-pub use scrape::{
-    DEFAULT_SCRAPE_INTERVAL, DEFAULT_SCRAPE_TIMEOUT, ScrapeStats, spawn_scraper,
-    spawn_scraper_with_stats,
-};
+pub use discovery::run_pod_discovery;
+pub use registry::EndpointView;
+pub(crate) use registry::default_staleness;
+pub use registry::{Endpoint, EndpointRegistry, ScrapedMetrics};
+pub(crate) use scrape::{DEFAULT_SCRAPE_INTERVAL, DEFAULT_SCRAPE_TIMEOUT};
+pub use scrape::{ScrapeStats, spawn_scraper, spawn_scraper_with_stats};
 pub use standalone::{EndpointSpec, endpoints_from_specs, load_endpoints_file};

@@ -35,11 +35,11 @@ use kinference_runtime::sync::lock;
 
 /// The smallest staleness window [`default_staleness`] hands out: shorter
 /// windows would make metrics flap on ordinary scheduling jitter.
-pub const MIN_STALENESS: Duration = Duration::from_millis(250);
+pub(crate) const MIN_STALENESS: Duration = Duration::from_millis(250);
 
 /// The staleness window for a scrape interval: three missed scrapes, at least
 /// [`MIN_STALENESS`].
-pub fn default_staleness(scrape_interval: Duration) -> Duration {
+pub(crate) fn default_staleness(scrape_interval: Duration) -> Duration {
     (scrape_interval * 3).max(MIN_STALENESS)
 }
 
@@ -506,7 +506,7 @@ impl EndpointRegistry {
 
     /// The states of every endpoint on `ip` (a Pod's KV events name its IP,
     /// not a port).
-    pub fn states_on_ip(&self, ip: std::net::IpAddr) -> Vec<Arc<DestinationState>> {
+    pub(crate) fn states_on_ip(&self, ip: std::net::IpAddr) -> Vec<Arc<DestinationState>> {
         self.table
             .load()
             .slots

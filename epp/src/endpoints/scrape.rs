@@ -52,13 +52,13 @@ use super::registry::{Endpoint, EndpointRegistry, ScrapedMetrics};
 use crate::lists::comma_separated;
 
 /// Default scrape interval.
-pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(50);
+pub(crate) const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Default per-scrape timeout. Longer than the interval on purpose: a Python
 /// model server under load can take a few tens of milliseconds to render its
 /// metrics, and a late answer is still fresher than none. Ticks missed while
 /// waiting are skipped, not queued.
-pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_millis(200);
+pub(crate) const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_millis(200);
 
 // ---------------------------------------------------------------------------
 // Per-engine metric tables
@@ -171,7 +171,7 @@ pub const SGLANG: EngineMetrics = EngineMetrics {
 
 /// TensorRT-LLM behind Triton (the `tensorrtllm` backend's batch-manager
 /// statistics).
-pub const TRT_LLM: EngineMetrics = EngineMetrics {
+pub(crate) const TRT_LLM: EngineMetrics = EngineMetrics {
     engine: Engine::TrtLlm,
     waiting: Series::labelled("nv_trt_llm_request_metrics", "request_type", "waiting"),
     running: Series::labelled("nv_trt_llm_request_metrics", "request_type", "scheduled"),
@@ -257,7 +257,8 @@ impl EngineMetrics {
     }
 
     /// Every metric name this table reads.
-    pub fn metric_names(&self) -> impl Iterator<Item = &'static str> + use<> {
+    #[cfg(test)]
+    fn metric_names(&self) -> impl Iterator<Item = &'static str> + use<> {
         let (names, n) = self.name_array();
         names.into_iter().take(n)
     }
@@ -619,7 +620,7 @@ impl fmt::Display for FailureReason {
 
 /// A failed scrape.
 #[derive(Debug)]
-pub struct ScrapeError {
+pub(crate) struct ScrapeError {
     reason: FailureReason,
     source: Option<reqwest::Error>,
 }

@@ -77,7 +77,7 @@ pub fn load_endpoints_file(path: &Path) -> anyhow::Result<Vec<Endpoint>> {
 
 /// Parses endpoints from YAML or JSON text (see the module docs for the
 /// shape).
-pub fn parse_endpoints(text: &str) -> anyhow::Result<Vec<Endpoint>> {
+pub(crate) fn parse_endpoints(text: &str) -> anyhow::Result<Vec<Endpoint>> {
     let docs = kinference_policy::source::parse_documents(text).map_err(|d| anyhow!("{d}"))?;
     let mut specs = Vec::new();
     for doc in docs {

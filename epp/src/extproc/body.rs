@@ -17,7 +17,7 @@ pub enum Api {
 }
 
 impl Api {
-    pub fn from_path(path: &str) -> Option<Self> {
+    pub(crate) fn from_path(path: &str) -> Option<Self> {
         Some(match path_only(path).trim_end_matches('/') {
             "/v1/chat/completions" => Api::Chat,
             "/v1/completions" => Api::Completions,
@@ -255,7 +255,7 @@ mod ordered {
     use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
     use serde_json::value::RawValue;
 
-    pub struct Members(pub Vec<(String, Box<RawValue>)>);
+    pub(crate) struct Members(pub Vec<(String, Box<RawValue>)>);
 
     impl<'de> Deserialize<'de> for Members {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -30,7 +30,7 @@ use kinference_runtime::sync::lock;
 /// body (which charges) and its session's inbound messages (which give
 /// back), through the request's extensions.
 #[derive(Clone, Debug)]
-pub struct DecodeMeter(Arc<Mutex<BodyHold>>);
+pub(crate) struct DecodeMeter(Arc<Mutex<BodyHold>>);
 
 impl DecodeMeter {
     fn new(budget: &Arc<BodyBudget>) -> Self {
@@ -46,7 +46,7 @@ impl DecodeMeter {
     /// A message was delivered: what the decoder held for it is the
     /// session's to charge now. The start of the next message, read in the
     /// same frame, goes uncharged: at most a frame (16 KiB by default).
-    pub fn delivered(&self) {
+    pub(crate) fn delivered(&self) {
         lock(&self.0).release();
     }
 }
@@ -92,7 +92,7 @@ struct MeteredBody {
 }
 
 /// Why a stream's requests ended before a message was whole.
-pub const DECODE_REFUSED: &str = "the body budget cannot hold this stream's next message";
+pub(crate) const DECODE_REFUSED: &str = "the body budget cannot hold this stream's next message";
 
 impl HttpBody for MeteredBody {
     type Data = Bytes;

@@ -59,7 +59,7 @@ pub struct BodyHold {
 impl BodyHold {
     /// Takes `n` more bytes, or nothing if the budget cannot spare them.
     #[must_use]
-    pub fn grow(&mut self, n: usize) -> bool {
+    pub(crate) fn grow(&mut self, n: usize) -> bool {
         let Ok(n) = i64::try_from(n) else {
             return false;
         };
@@ -83,7 +83,7 @@ impl Drop for BodyHold {
 }
 
 /// Counts a stream as open while held.
-pub struct StreamGuard(Gauge);
+pub(crate) struct StreamGuard(Gauge);
 
 impl StreamGuard {
     pub fn new(open: &Gauge) -> Self {

@@ -36,20 +36,20 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Envoy's attributes for the ext_proc filter, keyed by the filter's name,
 /// and the one read: the address of the host that answered.
-pub const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
-pub const UPSTREAM_ADDRESS: &str = "upstream.address";
+pub(crate) const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
+pub(crate) const UPSTREAM_ADDRESS: &str = "upstream.address";
 /// Headers the EPP adds for observability.
 pub const RULE_HEADER: &str = "x-kinference-rule";
 /// `--decision-detail`: why the request went where it went. An `envoy.lb`
 /// metadata key on a routed request, a response header on a reject.
-pub const DECISION_DETAIL: &str = "x-kinference-decision-detail";
-pub const MODEL_HEADER: &str = "x-kinference-model";
+pub(crate) const DECISION_DETAIL: &str = "x-kinference-decision-detail";
+pub(crate) const MODEL_HEADER: &str = "x-kinference-model";
 /// A TTFT a gateway or the model server measured, reported on the response;
 /// without it the EPP times from its decision to the response headers.
 pub const OBSERVED_TTFT_HEADER: &str = "x-kinference-observed-ttft-ms";
 /// Conformance-suite hooks (off unless enabled).
-pub const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
-pub const TEST_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
+pub(crate) const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
+pub(crate) const TEST_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
 
 #[derive(Debug, Clone)]
 pub struct ExtProcConfig {
@@ -126,7 +126,7 @@ impl<R: Router> ExtProcService<R> {
 /// The largest ext_proc message a stream may send: a whole body (BUFFERED
 /// mode sends it in one) and its framing. Refused by its length prefix,
 /// before its bytes are read.
-pub fn max_message_bytes(max_body_bytes: usize) -> usize {
+pub(crate) fn max_message_bytes(max_body_bytes: usize) -> usize {
     max_body_bytes.saturating_add(64 * 1024)
 }
 

@@ -144,7 +144,7 @@ fn rewritten(original: &[u8], model: Option<&str>) -> Option<Vec<u8>> {
 }
 
 /// Envoy caps a streamed body chunk at 64 KiB; stay clear of it.
-pub const MAX_STREAMED_CHUNK: usize = 62_000;
+pub(crate) const MAX_STREAMED_CHUNK: usize = 62_000;
 
 /// Headers and metadata to set on the request when it is routed.
 #[derive(Debug, Default, Clone)]
@@ -196,7 +196,7 @@ impl Mutation {
     }
 }
 
-pub fn header_option(key: &str, value: &str) -> HeaderValueOption {
+pub(crate) fn header_option(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_string(),
@@ -314,7 +314,7 @@ pub fn routed_streamed(m: &Mutation, original_body: &[u8]) -> Vec<ProcessingResp
 }
 
 /// Adds a header to an immediate response (e.g. which rule rejected).
-pub fn add_immediate_header(response: &mut ProcessingResponse, key: &str, value: &str) {
+pub(crate) fn add_immediate_header(response: &mut ProcessingResponse, key: &str, value: &str) {
     if let Some(Response::ImmediateResponse(ImmediateResponse {
         headers: Some(h), ..
     })) = &mut response.response
@@ -325,7 +325,7 @@ pub fn add_immediate_header(response: &mut ProcessingResponse, key: &str, value:
 
 /// An immediate response with an OpenAI-shaped error body; the request never
 /// reaches a model server.
-pub fn immediate_error(status: u16, kind: &str, message: &str) -> ProcessingResponse {
+pub(crate) fn immediate_error(status: u16, kind: &str, message: &str) -> ProcessingResponse {
     let body = serde_json::json!({
         "error": { "message": message, "type": kind, "param": null, "code": status }
     });

@@ -29,7 +29,7 @@ const CACHED: &[u8] = br#""cached_tokens""#;
 const CARRY: usize = 64;
 
 #[derive(Debug, Default)]
-pub struct UsageScanner {
+pub(crate) struct UsageScanner {
     /// The previous chunk's last bytes, then the current chunk.
     window: Vec<u8>,
     usage: Usage,
@@ -37,7 +37,7 @@ pub struct UsageScanner {
 
 impl UsageScanner {
     /// Reads one chunk; `last`: the body ends with it.
-    pub fn feed(&mut self, chunk: &[u8], last: bool) {
+    pub(crate) fn feed(&mut self, chunk: &[u8], last: bool) {
         self.window.extend_from_slice(chunk);
         if let Some(n) = last_number_after(&self.window, PROMPT, last)
             .or_else(|| last_number_after(&self.window, INPUT, last))

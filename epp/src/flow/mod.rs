@@ -18,7 +18,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-pub use queue::{Bounds, Place, Shed};
+pub use queue::Shed;
+pub use queue::{Bounds, Place};
 use queue::{Id, Queue};
 
 use crate::metrics::Metrics;
@@ -115,7 +116,7 @@ impl FlowControl {
     }
 
     /// Room may have come (a request finished).
-    pub fn wake(&self) {
+    pub(crate) fn wake(&self) {
         self.wake.notify_one();
     }
 
@@ -176,7 +177,7 @@ impl FlowControl {
 
     /// Whether a request of `rule` at `priority` or above waits: a newcomer
     /// must not take the room it waits for.
-    pub fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
+    pub(crate) fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
         let queue = self.queue();
         !queue.is_empty() && queue.waiting_ahead(rule, priority)
     }

@@ -113,13 +113,13 @@ impl<T> Queue<T> {
     }
 
     /// Waiting requests and their bytes, by priority.
-    pub fn depth_by_priority(&self) -> &BTreeMap<i32, (usize, u64)> {
+    pub(crate) fn depth_by_priority(&self) -> &BTreeMap<i32, (usize, u64)> {
         &self.depths
     }
 
     /// Whether a request of `rule` at `priority` or above is waiting: a
     /// newcomer of that rule and priority must not take room before it.
-    pub fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
+    pub(crate) fn waiting_ahead(&self, rule: &str, priority: i32) -> bool {
         self.bands
             .range(priority..)
             .flat_map(|(_, band)| band.flows.iter().flat_map(|(_, ids)| ids))
@@ -209,7 +209,7 @@ impl<T> Queue<T> {
 
     /// Each flow's first request, bands highest first and flows in turn:
     /// the order in which waiting requests are offered room.
-    pub fn heads(&self) -> Vec<Id> {
+    pub(crate) fn heads(&self) -> Vec<Id> {
         self.bands
             .values()
             .rev()
@@ -224,7 +224,7 @@ impl<T> Queue<T> {
     /// The request `id` had its turn and stays: if it heads its flow, the
     /// flow goes to the back of its band, so that every flow of a band has
     /// turns however many there are.
-    pub fn passed_over(&mut self, id: Id) {
+    pub(crate) fn passed_over(&mut self, id: Id) {
         let Some(entry) = self.entries.get(&id) else {
             return;
         };
@@ -284,7 +284,7 @@ impl<T> Queue<T> {
     }
 }
 
-pub struct RemovedEntry<T> {
+pub(crate) struct RemovedEntry<T> {
     pub priority: i32,
     pub payload: T,
 }

@@ -30,7 +30,7 @@ pub const SILENCE: Duration = Duration::from_secs(10);
 
 /// Blocks an index remembers per engine until the Pod's metrics say how
 /// large its KV cache is.
-pub const DEFAULT_CAPACITY: usize = 65_536;
+pub(crate) const DEFAULT_CAPACITY: usize = 65_536;
 
 /// Adapter names an index remembers: a vLLM serves a few dozen at most
 /// (`--max-loras`, `--max-cpu-loras`).
@@ -54,7 +54,7 @@ pub(super) fn chain_seed() -> u64 {
 
 /// The chain's root for a base model (`None`) or a LoRA adapter: blocks of
 /// different adapters never match each other.
-pub fn chain_root(lora: Option<&str>) -> u64 {
+pub(crate) fn chain_root(lora: Option<&str>) -> u64 {
     xxh3_64_with_seed(lora.unwrap_or("").as_bytes(), chain_seed())
 }
 
@@ -69,7 +69,7 @@ fn link(parent: u64, tokens: &[u32], buf: &mut Vec<u8>) -> u64 {
 
 /// Fills `out` with the chain hashes of `tokens`' full blocks of
 /// `block_size`, at most `max_blocks` of them.
-pub fn token_chain(
+pub(crate) fn token_chain(
     root: u64,
     tokens: &[u32],
     block_size: usize,
@@ -448,7 +448,7 @@ impl PodKvIndex {
     }
 
     /// Whether the Pod's engines stored blocks for LoRA adapter `name`.
-    pub fn has_adapter(&self, name: &str) -> bool {
+    pub(crate) fn has_adapter(&self, name: &str) -> bool {
         lock(&self.inner).adapters.contains(name)
     }
 
@@ -465,7 +465,7 @@ impl PodKvIndex {
     /// follow one: the sequence number the engine's next batch should have;
     /// or the engine's first, when `seq` is the first heard of it (or of
     /// its restarted publisher) and the engine published before.
-    pub fn missed_from(&self, rank: Option<u32>, seq: u64) -> Option<u64> {
+    pub(crate) fn missed_from(&self, rank: Option<u32>, seq: u64) -> Option<u64> {
         let inner = lock(&self.inner);
         match inner.engines.get(&rank) {
             Some(engine) if seq >= engine.next_seq => {

@@ -15,7 +15,8 @@ pub mod pool;
 pub mod prompt;
 pub mod wire;
 
-pub use index::{Applied, Freshness, IndexUse, PodKvIndex, chain_root, token_chain};
+pub use index::PodKvIndex;
+pub use index::{Applied, Freshness, IndexUse};
 pub use prompt::PromptTokens;
 
 /// Most blocks hashed per prompt, by either index. 4096 × 64 B = 256 KiB
@@ -25,4 +26,4 @@ pub use prompt::PromptTokens;
 /// an endpoint's whole index or stall the request path; a longer shared
 /// prefix simply saturates at the cap, which under-estimates the cached
 /// tokens (the conservative direction).
-pub const MAX_BLOCKS: usize = 4096;
+pub(crate) const MAX_BLOCKS: usize = 4096;

@@ -106,7 +106,7 @@ impl Default for PoolIndex {
 impl PoolIndex {
     /// A slot for a new engine: the lowest free one, so small pools stay
     /// inline.
-    pub fn take_slot(&self) -> u32 {
+    pub(crate) fn take_slot(&self) -> u32 {
         let mut slots = lock(&self.slots);
         match slots.free.pop_first() {
             Some(slot) => slot,
@@ -118,7 +118,7 @@ impl PoolIndex {
     }
 
     /// Gives back a slot whose blocks were all removed.
-    pub fn free_slot(&self, slot: u32) {
+    pub(crate) fn free_slot(&self, slot: u32) {
         lock(&self.slots).free.insert(slot);
     }
 

@@ -72,7 +72,7 @@ pub struct BlockRemoved {
 
 /// Why a message could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum WireError {
+pub(crate) enum WireError {
     #[error("expected 3 frames (topic, sequence, payload), got {0}")]
     Frames(usize),
     #[error("sequence frame of {0} bytes, expected 8")]
@@ -90,7 +90,7 @@ pub struct Message {
 }
 
 /// Reads one multipart message: `[topic, seq (8 bytes, big-endian), payload]`.
-pub fn decode_message<F: AsRef<[u8]>>(frames: &[F]) -> Result<Message, WireError> {
+pub(crate) fn decode_message<F: AsRef<[u8]>>(frames: &[F]) -> Result<Message, WireError> {
     let [topic, seq, payload] = frames else {
         return Err(WireError::Frames(frames.len()));
     };
@@ -106,7 +106,7 @@ pub fn decode_message<F: AsRef<[u8]>>(frames: &[F]) -> Result<Message, WireError
 }
 
 /// Reads one `EventBatch` payload.
-pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
+pub(crate) fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
     Ok(rmp_serde::from_slice(payload)?)
 }
 

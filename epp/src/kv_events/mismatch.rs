@@ -42,7 +42,7 @@ impl Finding {
 
 /// One request: the EPP's side and the engine's report.
 #[derive(Debug, Clone, Copy)]
-pub struct Check {
+pub(crate) struct Check {
     /// Prompt tokens as the EPP tokenized them.
     pub ours: u64,
     /// Leading tokens the Pod's index said its engine held, with the block
@@ -53,7 +53,7 @@ pub struct Check {
 }
 
 impl Check {
-    pub fn judge(&self) -> Option<Finding> {
+    pub(crate) fn judge(&self) -> Option<Finding> {
         if let Some(engine) = self.engine_prompt
             && engine != self.ours
         {
@@ -79,13 +79,13 @@ impl Check {
 }
 
 /// Findings remembered to judge whether a mismatch is systematic.
-pub const WINDOW: usize = 32;
+pub(crate) const WINDOW: usize = 32;
 /// Between two warnings of the same kind, at least.
-pub const WARN_EVERY: Duration = Duration::from_secs(300);
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(300);
 
 /// The recent findings, and when each kind last warned.
 #[derive(Debug, Default)]
-pub struct MismatchWatch {
+pub(crate) struct MismatchWatch {
     recent: VecDeque<Finding>,
     warned: Vec<(Finding, Instant)>,
 }
@@ -118,7 +118,7 @@ impl MismatchWatch {
 }
 
 /// What a systematic finding means, for the operator of the pool.
-pub fn advice(finding: Finding) -> &'static str {
+pub(crate) fn advice(finding: Finding) -> &'static str {
     match finding {
         Finding::Agree | Finding::Unindexed => "",
         Finding::TokenCount => {

@@ -17,7 +17,7 @@ struct Result {
     result: &'static str,
 }
 
-pub struct PreciseMode {
+pub(crate) struct PreciseMode {
     pub tokenizer: PromptTokenizer,
     watch: Mutex<MismatchWatch>,
     checks: Family<Result, Counter>,

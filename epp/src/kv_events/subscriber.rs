@@ -60,7 +60,7 @@ impl Replay {
 }
 
 /// The Pod IP a topic names: `kv@<ip>@<model>`.
-pub fn topic_pod_ip(topic: &str) -> Option<IpAddr> {
+pub(crate) fn topic_pod_ip(topic: &str) -> Option<IpAddr> {
     let rest = topic.strip_prefix("kv@")?;
     let (ip, _model) = rest.split_once('@')?;
     ip.parse().ok()

@@ -67,7 +67,7 @@ pub enum ZmtpError {
 
 /// What a connection delivered besides messages, for the metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Dropped {
+pub(crate) struct Dropped {
     /// Messages with a frame over the size limit.
     pub oversized: u64,
     /// Messages with more frames than the limit.
@@ -249,7 +249,7 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
 /// Serves one publisher's connection: handshakes, then sends each complete
 /// message (its frames) to `out` until the peer closes, `out` closes or the
 /// stream breaks. Returns what was dropped on the way.
-pub async fn serve_publisher<S>(
+pub(crate) async fn serve_publisher<S>(
     mut stream: S,
     limits: Limits,
     out: mpsc::Sender<Vec<Vec<u8>>>,

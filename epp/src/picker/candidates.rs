@@ -23,7 +23,7 @@ use crate::policy_store::LoadedPolicy;
 use crate::predict::{DestinationState, TtftFeatures, TtftPredictor};
 
 /// Candidates with what the pick needs to act on each.
-pub struct CandidateSet {
+pub(crate) struct CandidateSet {
     pub candidates: Vec<Candidate>,
     states: Vec<Arc<DestinationState>>,
     features: Vec<Option<TtftFeatures>>,
@@ -280,7 +280,7 @@ impl CandidateSet {
         self.seeds = priced.replicas;
     }
 
-    pub fn to_pick(
+    pub(crate) fn to_pick(
         &self,
         picker: &Picker,
         policy: &LoadedPolicy,

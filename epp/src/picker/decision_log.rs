@@ -23,9 +23,9 @@ use kinference_policy::eval::DecisionRecord;
 use prometheus_client::metrics::counter::Counter;
 
 /// Lines waiting for the writer, at most.
-pub const QUEUE: usize = 4096;
+pub(crate) const QUEUE: usize = 4096;
 /// Bytes waiting for the writer, at most.
-pub const QUEUE_BYTES: usize = 16 << 20;
+pub(crate) const QUEUE_BYTES: usize = 16 << 20;
 
 /// Where the log goes.
 #[derive(Clone, Debug, PartialEq)]
@@ -84,7 +84,7 @@ impl DecisionLog {
     }
 
     /// Logs the decision `record` builds, if sampled. `record` runs only then.
-    pub fn offer(&self, record: impl FnOnce() -> DecisionRecord) {
+    pub(crate) fn offer(&self, record: impl FnOnce() -> DecisionRecord) {
         if self.sample < 1.0 && rand::random::<f64>() >= self.sample {
             return;
         }

@@ -23,10 +23,14 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 pub use crate::extproc::router::Incoming;
-pub use candidates::{CandidateSet, PrefixPrediction};
+pub(crate) use candidates::CandidateSet;
+pub use candidates::PrefixPrediction;
 pub use decision_log::{DecisionLog, LogTarget};
 pub use providers::ProviderStates;
-pub use recent::{RecentDecisions, RecordedDecision, WaitOutcome, Waited};
+pub use recent::RecentDecisions;
+pub use recent::RecordedDecision;
+pub use recent::WaitOutcome;
+pub use recent::Waited;
 
 use crate::classify::ClassifierRunner;
 use crate::endpoints::EndpointRegistry;
@@ -51,8 +55,8 @@ use crate::predict::{
 /// 24 KB, the whole window at a hundred requests a second.
 const POOL_ROUTE_HASHES: usize = 32 * crate::predict::MAX_BLOCKS;
 
-pub const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
-pub const MODEL_HEADER: &str = "x-gateway-model-name";
+pub(crate) const TTFT_SLO_HEADER: &str = "x-kinference-ttft-slo";
+pub(crate) const MODEL_HEADER: &str = "x-gateway-model-name";
 
 /// Tuning of the estimators.
 #[derive(Debug, Clone)]
@@ -76,32 +80,74 @@ impl Default for PickerConfig {
 
 /// Shared state of the decision path.
 pub struct Picker {
-    pub policy: Arc<PolicyStore>,
-    pub registry: Arc<EndpointRegistry>,
+    pub(crate) policy: Arc<PolicyStore>,
+    pub(crate) registry: Arc<EndpointRegistry>,
     /// The global TTFT model (each endpoint's own lives in its state).
-    pub ttft: Arc<TtftPredictor>,
-    pub providers: ProviderStates,
-    pub classifiers: ClassifierRunner,
-    pub metrics: Arc<Metrics>,
-    pub recent: RecentDecisions,
+    pub(crate) ttft: Arc<TtftPredictor>,
+    pub(crate) providers: ProviderStates,
+    pub(crate) classifiers: ClassifierRunner,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) recent: RecentDecisions,
     /// Prompts this EPP routed to any of the pool's Pods in the last
     /// seconds: how many requests share a prefix (`predict::reuse`).
-    pub routes: RoutedPrefixes,
+    pub(crate) routes: RoutedPrefixes,
     /// When this EPP last paid a prefill for a new replica.
-    pub seeds: SeedGate,
+    pub(crate) seeds: SeedGate,
     /// `--decision-log`, set once at start.
-    pub decision_log: std::sync::OnceLock<DecisionLog>,
+    pub(crate) decision_log: std::sync::OnceLock<DecisionLog>,
     /// `sessionAffinity`: each session's last Pod.
     sessions: sessions::Sessions,
     /// `--kv-events-port`: the tokenizer of precise prefix mode.
     precise: std::sync::OnceLock<PreciseMode>,
-    pub config: PickerConfig,
+    pub(crate) config: PickerConfig,
     /// API keys of providers, by provider name.
-    pub provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
+    pub(crate) provider_keys: arc_swap::ArcSwap<BTreeMap<String, String>>,
     /// The pool's InferenceObjectives: each request's priority.
-    pub objectives: Arc<Objectives>,
+    pub(crate) objectives: Arc<Objectives>,
     /// Requests waiting for room (`onEmpty: Wait`).
-    pub flow: Arc<FlowControl>,
+    pub(crate) flow: Arc<FlowControl>,
+}
+
+/// What the server, the binary's wiring and tests read of the picker.
+impl Picker {
+    /// The global TTFT model.
+    pub fn ttft(&self) -> &Arc<TtftPredictor> {
+        &self.ttft
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The last decisions, for `/debug/explain`.
+    pub fn recent(&self) -> &RecentDecisions {
+        &self.recent
+    }
+
+    /// `--decision-log`, set once at start.
+    pub fn decision_log(&self) -> &std::sync::OnceLock<DecisionLog> {
+        &self.decision_log
+    }
+
+    /// API keys of providers, by provider name.
+    pub fn provider_keys(&self) -> &arc_swap::ArcSwap<BTreeMap<String, String>> {
+        &self.provider_keys
+    }
+
+    /// The pool's InferenceObjectives.
+    pub fn objectives(&self) -> &Arc<Objectives> {
+        &self.objectives
+    }
+
+    /// Requests waiting for room.
+    pub fn flow(&self) -> &Arc<FlowControl> {
+        &self.flow
+    }
+
+    /// Each provider's live state.
+    pub fn providers(&self) -> &ProviderStates {
+        &self.providers
+    }
 }
 
 /// What a request's evaluations share while it waits for room: the

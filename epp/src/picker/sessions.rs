@@ -17,7 +17,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use kinference_runtime::sync::lock;
 
 /// Sessions remembered at once.
-pub const MAX_SESSIONS: usize = 100_000;
+pub(crate) const MAX_SESSIONS: usize = 100_000;
 /// Bytes of a session key that count: a longer key is told apart by these.
 const MAX_KEY_BYTES: usize = 256;
 /// The least time between two scans for expired sessions.
@@ -58,7 +58,7 @@ impl Sessions {
     }
 
     /// The request's session, read as `affinity` names it: the hashed key.
-    pub fn key_of(
+    pub(crate) fn key_of(
         &self,
         affinity: &SessionAffinity,
         headers: &std::collections::BTreeMap<String, String>,
@@ -77,14 +77,14 @@ impl Sessions {
 
     /// The `ip:port` the session's last request went to, if it was within
     /// `ttl` of `now`.
-    pub fn address_of(&self, key: u64, ttl: Duration, now: Instant) -> Option<Arc<str>> {
+    pub(crate) fn address_of(&self, key: u64, ttl: Duration, now: Instant) -> Option<Arc<str>> {
         let table = lock(&self.inner);
         let pinned = table.by_key.get(&key)?;
         (now.saturating_duration_since(pinned.seen) <= ttl).then(|| Arc::clone(&pinned.address))
     }
 
     /// The session's request went to `address` at `now`.
-    pub fn remember(&self, key: u64, address: &str, ttl: Duration, now: Instant) {
+    pub(crate) fn remember(&self, key: u64, address: &str, ttl: Duration, now: Instant) {
         let mut table = lock(&self.inner);
         if let Some(pinned) = table.by_key.get_mut(&key) {
             if &*pinned.address != address {

@@ -81,17 +81,17 @@ impl DestinationState {
     }
 
     /// Its engine's KV-cache block size in tokens, once scraped.
-    pub fn engine_block(&self) -> Option<u32> {
+    pub(crate) fn engine_block(&self) -> Option<u32> {
         Some(self.engine_block.load(Ordering::Relaxed)).filter(|&b| b > 0)
     }
 
     /// Whether its streams end with token counts even when not asked to.
-    pub fn reports_usage_unasked(&self) -> bool {
+    pub(crate) fn reports_usage_unasked(&self) -> bool {
         self.usage_unasked.load(Ordering::Relaxed)
     }
 
     /// What its last stream that did not ask for token counts showed.
-    pub fn note_usage_unasked(&self, reported: bool) {
+    pub(crate) fn note_usage_unasked(&self, reported: bool) {
         self.usage_unasked.store(reported, Ordering::Relaxed);
     }
 

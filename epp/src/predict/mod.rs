@@ -34,12 +34,15 @@ pub mod token_ratio;
 pub mod ttft;
 
 pub use destination::{DestinationConfig, DestinationState};
-pub use prefix::{
-    DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_ENDPOINT, MAX_BLOCKS, PrefixCache, TOKENS_PER_BLOCK,
-    block_hashes, block_hashes_bytes, blocks_for_kv_cache,
-};
+pub(crate) use prefix::MAX_BLOCKS;
+pub use prefix::{DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_ENDPOINT, PrefixCache, block_hashes};
 pub use routed::RoutedPrefixes;
-pub use sample::{Decided, TtftSample};
-pub use stats::{DestSnapshot, DestStats, InflightGuard, Outcome, StatsConfig};
+pub use sample::Decided;
+pub(crate) use sample::TtftSample;
+pub use stats::DestStats;
+pub use stats::InflightGuard;
+pub use stats::StatsConfig;
+pub use stats::{DestSnapshot, Outcome};
 pub use token_ratio::TokenRatio;
-pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig, TtftFeatures, TtftPredictor};
+pub use ttft::{EndpointTtft, TtftCoefficients, TtftConfig};
+pub use ttft::{TtftFeatures, TtftPredictor};

@@ -24,7 +24,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 /// KV block size).
 pub const DEFAULT_BLOCK_CHARS: usize = 64;
 
-pub use crate::kv_cache::MAX_BLOCKS;
+pub(crate) use crate::kv_cache::MAX_BLOCKS;
 
 /// Capacity of an endpoint's [`PrefixCache`] until its metrics give the real
 /// KV-cache size: 16,384 blocks ≈ 262k tokens, a typical single-GPU vLLM
@@ -35,21 +35,21 @@ pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 16_384;
 /// for this long belongs to a prompt whose requests stopped (a conversation
 /// ended, a system prompt retired). Pushing it out costs no one a prefill
 /// they would have skipped. Longer than a chat's pause between turns.
-pub const REUSE_HORIZON_SECS: u32 = 300;
+pub(crate) const REUSE_HORIZON_SECS: u32 = 300;
 
 /// Reuse marks past the horizon are cleared at most this often (each
 /// sweep walks the blocks past it).
 const SWEEP_SECS: u32 = 15;
 
 /// Tokens in one block of [`DEFAULT_BLOCK_CHARS`] prompt bytes.
-pub const TOKENS_PER_BLOCK: f64 = DEFAULT_BLOCK_CHARS as f64 / 4.0;
+pub(crate) const TOKENS_PER_BLOCK: f64 = DEFAULT_BLOCK_CHARS as f64 / 4.0;
 
 /// Blocks of a [`PrefixCache`] that mirror a server's KV cache of
 /// `num_gpu_blocks` blocks of `block_size` tokens (vLLM `cache_config_info`),
 /// at least 1. `engine_tokens_per_estimated` is how many of the engine's
 /// tokens one estimated token makes (see [`super::token_ratio`]): a cache
 /// of a given number of engine tokens holds that much less text.
-pub fn blocks_for_kv_cache(
+pub(crate) fn blocks_for_kv_cache(
     num_gpu_blocks: u64,
     block_size: u32,
     engine_tokens_per_estimated: f64,
@@ -86,7 +86,7 @@ pub fn block_hashes(prompt: &str, block_chars: usize, out: &mut Vec<u64>) {
 }
 
 /// [`block_hashes`] over raw bytes with an explicit block cap.
-pub fn block_hashes_bytes(
+pub(crate) fn block_hashes_bytes(
     prompt: &[u8],
     block_chars: usize,
     max_blocks: usize,
@@ -528,7 +528,7 @@ impl PrefixCache {
     /// this prompt costs the prompts already here (`predict::reuse`). At
     /// most [`MAX_BLOCKS`] steps, since `hashes` has at most that many
     /// blocks.
-    pub fn reused_evictions(&self, hashes: &[u64]) -> usize {
+    pub(crate) fn reused_evictions(&self, hashes: &[u64]) -> usize {
         let lru = lock(&self.lru);
         let new = hashes.len() - lru.longest_prefix(hashes);
         lru.reused_evictions(new)
@@ -560,7 +560,7 @@ impl PrefixCache {
     /// [`REUSE_HORIZON_SECS`] (at most every few seconds: a no-op
     /// between). Called after each scrape and each record, never on a
     /// request's path: a sweep may walk the whole cache.
-    pub fn expire_reuse(&self) {
+    pub(crate) fn expire_reuse(&self) {
         let mut lru = lock(&self.lru);
         let now = self.now();
         lru.sweep(now);

@@ -45,7 +45,7 @@ use kinference_runtime::sync::lock;
 /// under load seeded replicas faster than they paid back and the prefills
 /// queued everything behind them (the shared-prefix ladder's median TTFT
 /// went from about 20 ms to seconds).
-pub const SEED_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const SEED_INTERVAL: Duration = Duration::from_secs(5);
 
 /// When the pool last paid a prefill for a replica.
 #[derive(Default)]
@@ -57,7 +57,7 @@ pub struct SeedGate {
 
 impl SeedGate {
     /// Whether a replica may be seeded at `now`.
-    pub fn is_open(&self, now: Instant) -> bool {
+    pub(crate) fn is_open(&self, now: Instant) -> bool {
         lock(&self.last).is_none_or(|last| now.saturating_duration_since(last) >= SEED_INTERVAL)
     }
 
@@ -72,7 +72,7 @@ impl SeedGate {
 /// `cached` tokens lacks and the best-cached one, with `best`, holds.
 /// `shared` holds, per recent request, the tokens of this prompt it shared
 /// from the start; each counts for the share of that gap it covers.
-pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
+pub(crate) fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
     let gap = best - cached;
     if gap.is_nan() || gap <= 0.0 {
         return 0.0;
@@ -93,7 +93,7 @@ pub fn reusers(shared: &[f64], cached: f64, best: f64) -> f64 {
 /// or with only prompts nobody sent again, it costs nothing. A price that
 /// reaches the request's own prediction is no replica: the candidate is
 /// then ranked as any other, by that prediction and the room it leaves.
-pub fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f64 {
+pub(crate) fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f64 {
     let per_token = (predicted - at_best).max(0.0) / gap;
     if per_token.is_finite() {
         per_token * evicted.max(0.0)
@@ -105,7 +105,7 @@ pub fn eviction_cost(predicted: f64, at_best: f64, gap: f64, evicted: f64) -> f6
 /// A candidate's predicted TTFT with the prefill it needs beyond the
 /// best-cached candidate's divided among that prefix's `reusers` and this
 /// request: `at_best` is its prediction had it held the best's prefix.
-pub fn amortized(predicted: f64, at_best: f64, reusers: f64) -> f64 {
+pub(crate) fn amortized(predicted: f64, at_best: f64, reusers: f64) -> f64 {
     let extra = (predicted - at_best).max(0.0);
     at_best.min(predicted) + extra / (1.0 + reusers.max(0.0))
 }

@@ -28,7 +28,7 @@ use kinference_runtime::sync::lock;
 /// How long a route counts: longer than an engine's event delay plus the
 /// transport (llm-d-inference-sim's batching alone is 1 s), short enough that
 /// the engine has rarely evicted the prompt since.
-pub const WINDOW: Duration = Duration::from_secs(3);
+pub(crate) const WINDOW: Duration = Duration::from_secs(3);
 
 /// Block hashes kept per destination, all routes together.
 const MAX_HASHES: usize = 2 * MAX_BLOCKS;
@@ -91,7 +91,7 @@ impl RoutedPrefixes {
 
     /// For each route of the last [`WINDOW`] that shared a leading block
     /// with `chain`, how many it shared.
-    pub fn shared_blocks(&self, chain: &[u64], now: Instant) -> Vec<usize> {
+    pub(crate) fn shared_blocks(&self, chain: &[u64], now: Instant) -> Vec<usize> {
         self.each_shared(chain, now, |shared| shared.filter(|&n| n > 0).collect())
     }
 

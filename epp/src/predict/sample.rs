@@ -35,9 +35,9 @@ use super::{DestinationState, TtftFeatures, TtftPredictor};
 
 /// The target of the per-sample debug line:
 /// `RUST_LOG=info,kinference_epp::ttft_samples=debug` turns it on.
-pub const SAMPLE_LOG_TARGET: &str = "kinference_epp::ttft_samples";
+pub(crate) const SAMPLE_LOG_TARGET: &str = "kinference_epp::ttft_samples";
 
-pub struct TtftSample {
+pub(crate) struct TtftSample {
     model: Arc<TtftPredictor>,
     state: Arc<DestinationState>,
     features: TtftFeatures,
@@ -91,7 +91,7 @@ impl TtftSample {
     /// with the estimate's, the model put three quarters of the benchmark's
     /// predictions too low; learnt with the guess, its base carries the
     /// tail's mean.
-    pub fn engine_reported(
+    pub(crate) fn engine_reported(
         &mut self,
         prompt: f64,
         engine_prompt: u64,

@@ -368,7 +368,7 @@ impl DestStats {
     /// scrape was sent may reach the engine just after it; that window is
     /// the gateway's forwarding time, and waiting it out would count every
     /// other request twice until the next scrape.)
-    pub fn note_scrape(&self, sent: Instant) {
+    pub(crate) fn note_scrape(&self, sent: Instant) {
         lock(&self.inner).reserved.show_through(sent);
     }
 
@@ -379,7 +379,7 @@ impl DestStats {
 
     /// Records how a request ended, for callers that do not hold the guard
     /// (a fallback endpoint that served instead of the one picked).
-    pub fn record_outcome(&self, outcome: Outcome, now: Instant) {
+    pub(crate) fn record_outcome(&self, outcome: Outcome, now: Instant) {
         lock(&self.inner).record_outcome(&self.cfg, outcome, now);
     }
 
@@ -406,7 +406,8 @@ impl DestStats {
 
     /// Whether the breaker currently refuses traffic (open, or half-open with
     /// its probe in flight).
-    pub fn is_open(&self, now: Instant) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_open(&self, now: Instant) -> bool {
         lock(&self.inner).breaker_open(now)
     }
 }
@@ -434,7 +435,8 @@ impl InflightGuard {
     }
 
     /// Whether this request is the half-open breaker's probe.
-    pub fn is_probe(&self) -> bool {
+    #[cfg(test)]
+    fn is_probe(&self) -> bool {
         self.probe
     }
 

@@ -663,7 +663,7 @@ impl TtftPredictor {
     }
 
     /// Global model coefficients.
-    pub fn global_coefficients(&self) -> TtftCoefficients {
+    pub(crate) fn global_coefficients(&self) -> TtftCoefficients {
         TtftCoefficients::from_internal(&lock(&self.global).theta)
     }
 

@@ -147,7 +147,7 @@ pub(super) mod testing {
     use crate::predict::TtftFeatures;
 
     #[derive(Clone, Copy, Debug)]
-    pub struct FakePod {
+    pub(crate) struct FakePod {
         pub per_queued: f64,
         /// Seconds a prompt token takes to prefill.
         pub per_token: f64,
