@@ -116,40 +116,124 @@ fn loopback() -> SocketAddr {
 }
 
 async fn run_async(options: Options) -> anyhow::Result<bool> {
-    let (policy_text, policy_source) = match &options.policy {
-        Some(path) => (
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
-            path.display().to_string(),
-        ),
-        None => (DEFAULT_POLICY.to_string(), "embedded default".to_string()),
-    };
-    let compiled = kinference_policy::source::compile_text(&policy_text).map_err(|errors| {
-        let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
-        anyhow!(
-            "the policy ({policy_source}) does not compile:\n{}",
-            lines.join("\n")
-        )
-    })?;
-    let n = options
-        .requests
-        .unwrap_or(if options.quick { 40 } else { 300 })
-        .max(1);
-    let concurrency = options
-        .concurrency
-        .unwrap_or(if options.quick { 8 } else { 24 })
-        .max(1);
-    let time_scale = options
-        .time_scale
-        .unwrap_or(if options.quick { 0.2 } else { 1.0 });
-    if !(time_scale.is_finite() && time_scale >= 0.0) {
-        return Err(anyhow!("--time-scale must be a finite number >= 0"));
-    }
-
+    let policy = DemoPolicy::load(options.policy.as_deref())?;
+    let sizes = Sizes::of(&options)?;
     // Envoy first: without it there is no demo.
     let envoy_version = envoy::ENVOY_VERSION.trim();
     ensure_envoy(envoy_version).await?;
 
-    // Model servers and providers.
+    let (servers, provider_keys) = start_servers(&policy.compiled, sizes.time_scale).await?;
+    let epp = start_epp(&policy.compiled, &servers, provider_keys, &options).await?;
+    let envoy = start_envoy(&servers, epp.ext_proc_addr)
+        .await
+        .with_context(|| format!("starting Envoy {envoy_version}"))?;
+    // A first scrape of every server, so that metric-based objectives have
+    // values from the first request on.
+    let registry = epp.epp.registry();
+    registry.wait_until_scraped(Duration::from_secs(3)).await;
+    print_header(&policy, &servers, &epp, &envoy, &sizes, envoy_version);
+
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(sizes.concurrency)
+        .build()?;
+    let url = envoy.url("/v1/chat/completions");
+    let tenant_header = policy.compiled.tenant_header.as_str();
+    warm_up(&client, &url, tenant_header, options.seed).await;
+    let servers = Arc::new(servers);
+    let requests = workload::generate(sizes.requests, options.seed);
+    let load = Load {
+        client: &client,
+        url: &url,
+        tenant_header,
+        servers: &servers,
+    };
+    let (mut records, elapsed) = load.send_all(&requests, &sizes, options.quick).await?;
+    complete_from_access_log(&envoy, &mut records, &servers).await;
+
+    let text = report::render(&report::Input {
+        policy: &policy.compiled,
+        requests: &requests,
+        records: &records,
+        servers: &servers,
+        elapsed,
+    });
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+
+    envoy.stop().await;
+    epp.stop().await;
+    for s in servers.iter() {
+        s.handle.shutdown().await;
+    }
+    let failed = report::failures(&records);
+    Ok(failed == 0 && records.len() == sizes.requests)
+}
+
+/// The policy the demo runs, with where it came from.
+struct DemoPolicy {
+    text: String,
+    source: String,
+    compiled: kinference_policy::CompiledPolicy,
+}
+
+impl DemoPolicy {
+    /// `path`'s policy, or the embedded default.
+    fn load(path: Option<&std::path::Path>) -> anyhow::Result<DemoPolicy> {
+        let (text, source) = match path {
+            Some(path) => (
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?,
+                path.display().to_string(),
+            ),
+            None => (DEFAULT_POLICY.to_string(), "embedded default".to_string()),
+        };
+        let compiled = kinference_policy::source::compile_text(&text).map_err(|errors| {
+            let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
+            anyhow!(
+                "the policy ({source}) does not compile:\n{}",
+                lines.join("\n")
+            )
+        })?;
+        Ok(DemoPolicy {
+            text,
+            source,
+            compiled,
+        })
+    }
+}
+
+/// How much load, how fast the simulated engines run.
+struct Sizes {
+    requests: usize,
+    concurrency: usize,
+    time_scale: f64,
+}
+
+impl Sizes {
+    fn of(options: &Options) -> anyhow::Result<Sizes> {
+        let quick = options.quick;
+        let requests = options.requests.unwrap_or(if quick { 40 } else { 300 });
+        let concurrency = options.concurrency.unwrap_or(if quick { 8 } else { 24 });
+        let time_scale = options.time_scale.unwrap_or(if quick { 0.2 } else { 1.0 });
+        if !(time_scale.is_finite() && time_scale >= 0.0) {
+            return Err(anyhow!("--time-scale must be a finite number >= 0"));
+        }
+        Ok(Sizes {
+            requests: requests.max(1),
+            concurrency: concurrency.max(1),
+            time_scale,
+        })
+    }
+}
+
+/// The simulated model servers (three `qwen-2.5`, one `gemma-4`) and one
+/// simulated provider per provider of the policy, with the API key each
+/// provider expects.
+async fn start_servers(
+    compiled: &kinference_policy::CompiledPolicy,
+    time_scale: f64,
+) -> anyhow::Result<(Vec<Server>, BTreeMap<String, String>)> {
     let mut servers = Vec::new();
     for (name, model) in [
         ("qwen-2.5-a", "qwen-2.5"),
@@ -194,8 +278,34 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
             handle,
         });
     }
+    Ok((servers, provider_keys))
+}
 
-    // The EPP, standalone, serving ext_proc over TLS (its default).
+/// The EPP serving ext_proc on loopback.
+struct RunningEpp {
+    epp: Epp,
+    ext_proc_addr: SocketAddr,
+    scraper: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningEpp {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(3), self.serving).await;
+        self.scraper.abort();
+    }
+}
+
+/// The EPP, standalone, serving ext_proc over TLS (its default): the
+/// policy, the model servers as its endpoints, the providers' keys.
+async fn start_epp(
+    compiled: &kinference_policy::CompiledPolicy,
+    servers: &[Server],
+    provider_keys: BTreeMap<String, String>,
+    options: &Options,
+) -> anyhow::Result<RunningEpp> {
     let epp = Epp::new(Settings {
         secure_serving: true,
         ..Settings::default()
@@ -224,19 +334,28 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
     let scraper = epp.spawn_scraper();
     let ext_proc = TcpListener::bind(loopback()).await?;
     let ext_proc_addr = ext_proc.local_addr()?;
-    let (stop_epp, epp_stopped) = tokio::sync::oneshot::channel::<()>();
-    let epp_task = tokio::spawn({
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn({
         let epp = epp.clone();
         async move {
             epp.serve_ext_proc(ext_proc, async move {
-                let _ = epp_stopped.await;
+                let _ = stopped.await;
             })
             .await
         }
     });
+    Ok(RunningEpp {
+        epp,
+        ext_proc_addr,
+        scraper,
+        stop,
+        serving,
+    })
+}
 
-    // Envoy: the pool's servers as a static cluster, a cluster and a route
-    // per provider.
+/// Envoy in front of the EPP: the pool's servers as a static cluster, a
+/// cluster and a route per provider.
+async fn start_envoy(servers: &[Server], ext_proc_addr: SocketAddr) -> anyhow::Result<Envoy> {
     let bootstrap = Bootstrap {
         pool: servers
             .iter()
@@ -251,23 +370,22 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         concurrency: 2,
         ..Bootstrap::new(Template::Fallback, ext_proc_addr)
     };
-    let envoy = Envoy::start(&bootstrap)
-        .await
-        .with_context(|| format!("starting Envoy {envoy_version}"))?;
+    Envoy::start(&bootstrap).await
+}
 
-    // Wait for a first scrape of every server, so metric-based objectives
-    // have values from the first request on.
-    epp.registry()
-        .wait_until_scraped(Duration::from_secs(3))
-        .await;
-
-    let locals: Vec<String> = {
-        let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
-        for s in servers.iter().filter(|s| !s.provider) {
-            *by_model.entry(&s.model).or_default() += 1;
-        }
-        by_model.iter().map(|(m, k)| format!("{m} ×{k}")).collect()
-    };
+fn print_header(
+    policy: &DemoPolicy,
+    servers: &[Server],
+    epp: &RunningEpp,
+    envoy: &Envoy,
+    sizes: &Sizes,
+    envoy_version: &str,
+) {
+    let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
+    for s in servers.iter().filter(|s| !s.provider) {
+        *by_model.entry(&s.model).or_default() += 1;
+    }
+    let locals: Vec<String> = by_model.iter().map(|(m, k)| format!("{m} ×{k}")).collect();
     let providers: Vec<&str> = servers
         .iter()
         .filter(|s| s.provider)
@@ -275,9 +393,9 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         .collect();
     println!(
         "kinference demo — policy {} ({}, {} rules)",
-        policy_name(&policy_text).unwrap_or_else(|| "(unnamed)".into()),
-        policy_source,
-        compiled.rules.len()
+        policy_name(&policy.text).unwrap_or_else(|| "(unnamed)".into()),
+        policy.source,
+        policy.compiled.rules.len()
     );
     println!(
         "  model servers: {} · providers: {} · EPP ext_proc {} (TLS) · Envoy {} on {}",
@@ -287,31 +405,33 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         } else {
             providers.join(", ")
         },
-        ext_proc_addr,
+        epp.ext_proc_addr,
         envoy_version,
         envoy.listener()
     );
-    println!("  sending {n} requests, at most {concurrency} at a time, time scale {time_scale}");
+    let Sizes {
+        requests,
+        concurrency,
+        time_scale,
+    } = sizes;
+    println!(
+        "  sending {requests} requests, at most {concurrency} at a time, time scale {time_scale}"
+    );
     println!();
     let _ = std::io::stdout().flush();
+}
 
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(concurrency)
-        .build()?;
-    let url = envoy.url("/v1/chat/completions");
-
-    // Warm-up, one request at a time: the classifiers build their matchers on
-    // first use, which must not count against their timeouts under load.
-    for (i, mut request) in workload::generate(Kind::ALL.len(), options.seed ^ 0x5eed)
-        .into_iter()
-        .enumerate()
-    {
+/// One request of each kind, one at a time: the classifiers build their
+/// matchers on first use, which must not count against their timeouts
+/// under load.
+async fn warm_up(client: &reqwest::Client, url: &str, tenant_header: &str, seed: u64) {
+    let requests = workload::generate(Kind::ALL.len(), seed ^ 0x5eed);
+    for (i, mut request) in requests.into_iter().enumerate() {
         request.body["max_tokens"] = 1.into();
         let resp = client
-            .post(&url)
+            .post(url)
             .header("x-request-id", format!("{WARMUP}{i}"))
-            .header(compiled.tenant_header.as_str(), "warmup")
+            .header(tenant_header, "warmup")
             .json(&request.body)
             .send()
             .await;
@@ -319,45 +439,63 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
             let _ = resp.bytes().await;
         }
     }
+}
 
-    // Records, as the client finishes requests.
-    let records: Arc<Mutex<Vec<Record>>> = Arc::default();
-    let servers = Arc::new(servers);
-    let requests = workload::generate(n, options.seed);
-    let started = Instant::now();
-    let progress = tokio::spawn(report::progress(records.clone(), n, started, options.quick));
-    let semaphore = Arc::new(Semaphore::new(concurrency));
-    let mut tasks = Vec::with_capacity(n);
-    for request in &requests {
-        let permit = semaphore.clone().acquire_owned().await?;
-        let client = client.clone();
-        let url = url.clone();
-        let records = records.clone();
-        let servers = servers.clone();
-        let tenant_header = compiled.tenant_header.clone();
-        let (id, tenant, body) = (request.id.to_string(), request.tenant, request.body.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut req = client.post(&url).header("x-request-id", &id).json(&body);
-            if let Some(t) = tenant {
-                req = req.header(tenant_header.as_str(), t);
+/// Where the workload goes.
+struct Load<'a> {
+    client: &'a reqwest::Client,
+    url: &'a str,
+    tenant_header: &'a str,
+    servers: &'a Arc<Vec<Server>>,
+}
+
+impl Load<'_> {
+    /// Sends `requests` through Envoy, at most `sizes.concurrency` at a
+    /// time; each one's record, and how long they all took.
+    async fn send_all(
+        &self,
+        requests: &[workload::DemoRequest],
+        sizes: &Sizes,
+        quick: bool,
+    ) -> anyhow::Result<(Vec<Record>, Duration)> {
+        let records: Arc<Mutex<Vec<Record>>> = Arc::default();
+        let started = Instant::now();
+        let progress = report::progress(records.clone(), requests.len(), started, quick);
+        let progress = tokio::spawn(progress);
+        let semaphore = Arc::new(Semaphore::new(sizes.concurrency));
+        let mut tasks = Vec::with_capacity(requests.len());
+        for request in requests {
+            let permit = semaphore.clone().acquire_owned().await?;
+            let records = records.clone();
+            let servers = self.servers.clone();
+            let id = request.id.to_string();
+            let mut req = self.client.post(self.url).header("x-request-id", &id);
+            req = req.json(&request.body);
+            if let Some(t) = request.tenant {
+                req = req.header(self.tenant_header, t);
             }
-            let record = send(req, id, &servers).await;
-            lock(&records).push(record);
-            drop(permit);
-        }));
+            tasks.push(tokio::spawn(async move {
+                let record = send(req, id, &servers).await;
+                lock(&records).push(record);
+                drop(permit);
+            }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+        let elapsed = started.elapsed();
+        progress.abort();
+        let _ = progress.await;
+        report::clear_progress_line();
+        let records = lock(&records).clone();
+        Ok((records, elapsed))
     }
-    for t in tasks {
-        let _ = t.await;
-    }
-    let elapsed = started.elapsed();
-    progress.abort();
-    let _ = progress.await;
-    report::clear_progress_line();
+}
 
-    // Envoy's access records: the rule of every routed request and the
-    // upstream that served it. Envoy writes them when a stream ends and
-    // flushes its log now and then; wait for the last ones.
-    let mut records = lock(&records).clone();
+/// Adds Envoy's access records to `records`: the rule of every routed
+/// request and the upstream that served it. Envoy writes them when a
+/// stream ends and flushes its log now and then: waits for the last ones.
+async fn complete_from_access_log(envoy: &Envoy, records: &mut [Record], servers: &[Server]) {
     let deadline = Instant::now() + ACCESS_LOG_WAIT;
     let access = loop {
         let access: BTreeMap<String, AccessRecord> = envoy
@@ -370,32 +508,11 @@ async fn run_async(options: Options) -> anyhow::Result<bool> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    for r in &mut records {
+    for r in records.iter_mut() {
         if let Some(a) = access.get(&r.request_id) {
-            r.complete(a, &servers);
+            r.complete(a, servers);
         }
     }
-
-    let text = report::render(&report::Input {
-        policy: &compiled,
-        requests: &requests,
-        records: &records,
-        servers: &servers,
-        elapsed,
-    });
-    print!("{text}");
-    let _ = std::io::stdout().flush();
-
-    // Shut everything down.
-    envoy.stop().await;
-    let _ = stop_epp.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(3), epp_task).await;
-    scraper.abort();
-    for s in servers.iter() {
-        s.handle.shutdown().await;
-    }
-    let failed = report::failures(&records);
-    Ok(failed == 0 && records.len() == n)
 }
 
 /// How long to wait for Envoy's access log to hold every request.
