@@ -21,12 +21,12 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use kinference_testbed::http_client::HttpClient;
 use kinference_testbed::load::{ms, quantile, ratio};
-use kinference_testbed::priorities::{POSITIVE_PRIORITY, arrivals, waiting_rule};
+use kinference_testbed::priorities::arrivals;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use serde_json::json;
 
-use super::{APP, GIE_DEFAULT_SCORERS, MODEL, NS, POOL, Report, gie_config};
+use super::settings::{MODEL, NS, POOL};
 
 /// The contenders (i) runs for unless `--workloads` names it: the two that
 /// act on priority, the reference without its gate, and ours without
@@ -61,24 +61,6 @@ pub fn capacity(pods: usize) -> f64 {
     let service =
         BASE_LATENCY_MS / 1e3 + prefill + f64::from(OUTPUT_TOKENS) / DECODE_TOKENS_PER_SEC;
     (pods * SLOTS) as f64 / service
-}
-
-/// Our policy: room by requests in flight, one slot per Pod kept for
-/// positive priorities, the rest waiting in the EPP by priority.
-pub fn flow_policy() -> String {
-    let priority = waiting_rule("priority", POSITIVE_PRIORITY, SLOTS);
-    let rest = waiting_rule("rest", "", SLOTS - 1);
-    format!(
-        "pool:\n  selector: {{ app: {APP} }}\n  targetPorts: [{{ number: ${{PORT}} }}]\nflowControl: {{ maxRequests: 96 }}\nrules:\n{priority}{rest}"
-    )
-}
-
-/// The reference EPP's default profile with its flow control layer on
-/// (v1.5.0: the `flowControl` feature gate; its default saturation
-/// detector, no global bounds, requests waiting up to the client's
-/// deadline).
-pub fn gie_flow_config() -> String {
-    gie_config(&["flowControl"], GIE_DEFAULT_SCORERS)
 }
 
 /// Creates the pool's InferenceObjectives.
@@ -205,12 +187,9 @@ pub fn stage(full: bool) -> Duration {
     Duration::from_secs(if full { 20 } else { 1 })
 }
 
-pub fn print_table(reports: &[Report], pods: usize) {
-    let runs: Vec<(&str, &Vec<Row>)> = reports
-        .iter()
-        .filter(|r| !r.priorities.is_empty())
-        .map(|r| (r.contender.name, &r.priorities))
-        .collect();
+/// The table of every contender's `(name, rows)` that ran the workload.
+pub fn print_table(runs: &[(&str, &[Row])], pods: usize) {
+    let runs: Vec<&(&str, &[Row])> = runs.iter().filter(|(_, rows)| !rows.is_empty()).collect();
     if runs.is_empty() {
         return;
     }
@@ -222,7 +201,7 @@ pub fn print_table(reports: &[Report], pods: usize) {
         "| load | contender | priority | ok | TTFT p50 ms | p90 ms | p90 ÷ unloaded | shed (429) | 503 | other |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (name, rows) in &runs {
+    for (name, rows) in runs {
         let unloaded = rows.first();
         for row in rows.iter() {
             for (i, band) in row.bands.iter().enumerate() {
