@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod reconcile;
 pub mod resources;
 pub mod runtime;
+pub mod shutdown;
 pub mod status;
 
 pub use error::Error;
@@ -23,7 +24,5 @@ pub use leader::LeaderElectionConfig;
 pub use metrics::{Health, Metrics};
 pub use reconcile::Requeue;
 pub use resources::FIELD_MANAGER;
-pub use runtime::{
-    Config, DEFAULT_EPP_IMAGE, OperatorHandle, RunError, Shutdown, ShutdownTrigger, run,
-    shutdown_channel, spawn,
-};
+pub use runtime::{Config, DEFAULT_EPP_IMAGE, OperatorHandle, RunError, run, spawn};
+pub use shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy;
@@ -26,7 +27,6 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -91,44 +91,6 @@ pub enum RunError {
     Lease(#[from] Error),
     #[error("operator task failed: {0}")]
     Task(String),
-}
-
-/// Receiving end of a stop signal; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct Shutdown {
-    rx: watch::Receiver<bool>,
-}
-
-/// Sending end: [`ShutdownTrigger::trigger`] (or dropping it) stops every
-/// holder of the paired [`Shutdown`].
-#[derive(Debug)]
-pub struct ShutdownTrigger {
-    tx: watch::Sender<bool>,
-}
-
-/// A new stop signal.
-pub fn shutdown_channel() -> (ShutdownTrigger, Shutdown) {
-    let (tx, rx) = watch::channel(false);
-    (ShutdownTrigger { tx }, Shutdown { rx })
-}
-
-impl ShutdownTrigger {
-    pub fn trigger(&self) {
-        self.tx.send_replace(true);
-    }
-}
-
-impl Shutdown {
-    /// Resolves once triggered (or once the trigger is dropped: an owner
-    /// that went away cannot stop us any more, so we stop).
-    pub async fn wait(&self) {
-        let mut rx = self.rx.clone();
-        let _ = rx.wait_for(|stop| *stop).await;
-    }
-
-    pub fn is_triggered(&self) -> bool {
-        *self.rx.borrow() || self.rx.has_changed().is_err()
-    }
 }
 
 /// Runs the operator until `shutdown`: with leader election, first waits

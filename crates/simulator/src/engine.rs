@@ -10,7 +10,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::cache::{PrefixCache, block_hashes};
 use crate::config::SimConfig;
-use crate::metrics::Histogram;
+use crate::histogram::Histogram;
 
 /// Which OpenAI endpoint a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

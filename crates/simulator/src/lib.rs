@@ -37,6 +37,7 @@
 mod cache;
 mod config;
 mod engine;
+mod histogram;
 mod metrics;
 mod openai;
 mod routes;

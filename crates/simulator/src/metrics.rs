@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::SimConfig;
 use crate::engine::Snapshot;
+use crate::histogram::TTFT_BUCKETS;
 
 /// How `GET /metrics` answers, so tests can simulate stale or missing metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -22,32 +23,6 @@ pub enum MetricsMode {
     Hang,
     /// The exposition captured when this mode was set, served unchanged.
     Frozen,
-}
-
-/// Upper bounds of the TTFT histogram buckets, in seconds (vLLM's).
-pub(crate) const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
-
-/// A Prometheus histogram over [`TTFT_BUCKETS`].
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Histogram {
-    /// Non-cumulative counts per bucket; observations above the last bound
-    /// only appear in `count` (the `+Inf` bucket).
-    buckets: [u64; TTFT_BUCKETS.len()],
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    pub(crate) fn observe(&mut self, value: f64) {
-        if let Some(i) = TTFT_BUCKETS.iter().position(|&le| value <= le) {
-            self.buckets[i] += 1;
-        }
-        self.sum += value;
-        self.count += 1;
-    }
 }
 
 /// Escapes a label value for the text exposition format.
