@@ -7,7 +7,7 @@ use kinference_policy::attr::CandidateType;
 use kinference_policy::eval::{
     Candidate, Decision, Metrics as CandidateMetrics, PrefixSource, Request,
 };
-use kinference_policy::model::Price;
+use kinference_policy::model::{CompiledPolicy, Price};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -89,122 +89,128 @@ impl CandidateSet {
             precise_cached_tokens(picker.registry.kv_pool(), &indexes, t, adapter, now)
         });
         let units = PromptUnits::new(request.prompt_tokens, tokenized, picker.config.block_chars);
+        let facts = RequestFacts {
+            request,
+            hashes,
+            units,
+            tokenized,
+            output: request
+                .max_tokens
+                .unwrap_or(picker.config.default_output_tokens) as f64,
+            now,
+        };
         // Requests this EPP routed to each local candidate lately.
         let mut recent_routes = Vec::with_capacity(admitted.len());
-        let prompt = units.prompt;
-        let output = request
-            .max_tokens
-            .unwrap_or(picker.config.default_output_tokens) as f64;
         for (i, (view, address)) in admitted.iter().enumerate() {
-            let ep = &view.endpoint;
-            let state = &view.state;
-            let (cached, source, block_size) = match precise.get(i).copied().flatten() {
-                Some(matched) => {
-                    // A prompt sent here moments ago is cached before the
-                    // Pod's events say so: counted from this EPP's routes.
-                    let routed = units.of_estimate(state.routed.cached_blocks(hashes, now));
-                    // A late index lacks what was stored before it joined;
-                    // what this EPP routed there since may still be cached.
-                    let estimate = matched
-                        .partial
-                        .then(|| units.of_estimate(state.prefix.cached_blocks(hashes)));
-                    let events = units.of_events(matched.tokens);
-                    events_or_routes(
-                        events,
-                        routed.max(estimate.unwrap_or(0.0)),
-                        matched.block_size,
-                    )
-                }
-                None => {
-                    let blocks = state.prefix.cached_blocks(hashes);
-                    (units.of_estimate(blocks), PrefixSource::Estimate, None)
-                }
-            };
-            let prefix = PrefixPrediction {
-                cached_tokens: cached,
-                prompt,
-                source,
-                block_size,
-                prompt_tokens: tokenized,
-                estimated_prompt: request.prompt_tokens,
-                index_block: units.per_estimated_block,
-            };
-            let live = state.stats.snapshot(now);
-            // Requests picked since the last scrape was sent are load the
-            // metrics do not show yet: without them a burst ties every
-            // endpoint at the same stale values and lands on the first. For
-            // the TTFT prediction they count as running, not queued: a
-            // server with free batch slots starts them at once, and pricing
-            // each as a full queue wait pushed requests away from their
-            // cached prefix.
-            let unscraped = live.unscraped as f64;
-            let load = view.metrics.as_ref().map(|m| {
-                (
-                    m.waiting + unscraped,
-                    m.running + unscraped,
-                    m.kv_cache_usage,
-                )
-            });
-            let features = view.metrics.as_ref().map(|m| {
-                let running = m.running + unscraped;
-                TtftFeatures::new(m.waiting, running, prompt, cached, m.kv_cache_usage)
-            });
-            let predicted = features
-                .as_ref()
-                .map(|f| picker.ttft.predict(&state.ttft, f));
-            for model in &ep.models {
-                let info = compiled.local_model(model);
-                let lora = request
-                    .lora
-                    .as_deref()
-                    .filter(|adapter| adapter == model)
-                    .and_then(|adapter| Some(LoraRoom::of(view.metrics.as_ref()?, adapter)));
-                set.candidates.push(Candidate {
-                    kind: CandidateType::Local,
-                    model: model.clone(),
-                    endpoint: ep.pod.clone(),
-                    address: Some(address.clone()),
-                    backend_name: ep.backend.clone(),
-                    provider_name: None,
-                    zone: ep.zone.clone(),
-                    node: ep.node.clone(),
-                    labels: if compiled.reads.labels {
-                        ep.labels.clone()
-                    } else {
-                        Default::default()
-                    },
-                    metrics: CandidateMetrics {
-                        queue_depth: load.map(|l| l.0),
-                        running_requests: load.map(|l| l.1),
-                        kv_cache_utilization: load.map(|l| l.2),
-                        cached_prefix_tokens: Some(cached),
-                        predicted_ttft: predicted,
-                        observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
-                        error_rate: Some(live.error_rate),
-                        cost: info
-                            .and_then(|i| i.price)
-                            .map(|p| p.cost(prompt, cached, output)),
-                        context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
-                        lora_loaded: lora.map(|l| f64::from(u8::from(l.loaded))),
-                        lora_slots_free: lora.and_then(|l| l.slots_free),
-                        in_flight: Some(live.running as f64),
-                    },
-                    cached_prefix_source: Some(source),
-                    placement: Default::default(),
-                });
-                set.states.push(Arc::clone(state));
-                set.features.push(features);
-                set.predicted.push(predicted);
-                set.prefixes.push(Some(prefix));
-                recent_routes.push(live.recent_routes);
-            }
+            let events = precise.get(i).copied().flatten();
+            let prefix = facts.cached_prefix(view, events);
+            let recent = set.push_local(picker, compiled, &facts, view, address, prefix);
+            recent_routes.extend(std::iter::repeat_n(recent, view.endpoint.models.len()));
         }
         set.place(picker, policy, &units, hashes, &recent_routes, now);
+        set.push_providers(picker, compiled, &facts);
+        set
+    }
+
+    /// One candidate per model the Pod of `view` serves, with what is
+    /// known of it now; returns the requests this EPP routed there lately.
+    fn push_local(
+        &mut self,
+        picker: &Picker,
+        compiled: &CompiledPolicy,
+        facts: &RequestFacts<'_>,
+        view: &EndpointView,
+        address: &str,
+        prefix: PrefixPrediction,
+    ) -> f64 {
+        let (ep, state) = (&view.endpoint, &view.state);
+        let (prompt, cached) = (prefix.prompt, prefix.cached_tokens);
+        let live = state.stats.snapshot(facts.now);
+        // Requests picked since the last scrape was sent are load the
+        // metrics do not show yet: without them a burst ties every
+        // endpoint at the same stale values and lands on the first. For
+        // the TTFT prediction they count as running, not queued: a server
+        // with free batch slots starts them at once, and pricing each as a
+        // full queue wait pushed requests away from their cached prefix.
+        let unscraped = live.unscraped as f64;
+        let load = view.metrics.as_ref().map(|m| {
+            (
+                m.waiting + unscraped,
+                m.running + unscraped,
+                m.kv_cache_usage,
+            )
+        });
+        let features = view.metrics.as_ref().map(|m| {
+            let running = m.running + unscraped;
+            TtftFeatures::new(m.waiting, running, prompt, cached, m.kv_cache_usage)
+        });
+        let predicted = features
+            .as_ref()
+            .map(|f| picker.ttft.predict(&state.ttft, f));
+        for model in &ep.models {
+            let info = compiled.local_model(model);
+            let lora = facts
+                .request
+                .lora
+                .as_deref()
+                .filter(|adapter| adapter == model)
+                .and_then(|adapter| Some(LoraRoom::of(view.metrics.as_ref()?, adapter)));
+            self.candidates.push(Candidate {
+                kind: CandidateType::Local,
+                model: model.clone(),
+                endpoint: ep.pod.clone(),
+                address: Some(address.to_string()),
+                backend_name: ep.backend.clone(),
+                provider_name: None,
+                zone: ep.zone.clone(),
+                node: ep.node.clone(),
+                labels: if compiled.reads.labels {
+                    ep.labels.clone()
+                } else {
+                    Default::default()
+                },
+                metrics: CandidateMetrics {
+                    queue_depth: load.map(|l| l.0),
+                    running_requests: load.map(|l| l.1),
+                    kv_cache_utilization: load.map(|l| l.2),
+                    cached_prefix_tokens: Some(cached),
+                    predicted_ttft: predicted,
+                    observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
+                    error_rate: Some(live.error_rate),
+                    cost: info
+                        .and_then(|i| i.price)
+                        .map(|p| p.cost(prompt, cached, facts.output)),
+                    context_window: info.and_then(|i| i.context_window).map(|c| c as f64),
+                    lora_loaded: lora.map(|l| f64::from(u8::from(l.loaded))),
+                    lora_slots_free: lora.and_then(|l| l.slots_free),
+                    in_flight: Some(live.running as f64),
+                },
+                cached_prefix_source: Some(prefix.source),
+                placement: Default::default(),
+            });
+            self.states.push(Arc::clone(state));
+            self.features.push(features);
+            self.predicted.push(predicted);
+            self.prefixes.push(Some(prefix));
+        }
+        live.recent_routes
+    }
+
+    /// One candidate per model of each of the policy's providers.
+    fn push_providers(
+        &mut self,
+        picker: &Picker,
+        compiled: &CompiledPolicy,
+        facts: &RequestFacts<'_>,
+    ) {
         let provider_states = picker.providers.for_policy(compiled);
         for (provider, state) in compiled.providers.iter().zip(provider_states) {
-            let live = state.stats.snapshot(now);
+            let live = state.stats.snapshot(facts.now);
             for model in &provider.models {
-                set.candidates.push(Candidate {
+                let cost = model
+                    .price
+                    .map(|p: Price| p.cost(facts.units.prompt, 0.0, facts.output));
+                self.candidates.push(Candidate {
                     kind: CandidateType::Provider,
                     model: model.name.clone(),
                     endpoint: provider.name.clone(),
@@ -214,19 +220,18 @@ impl CandidateSet {
                         in_flight: Some(live.running as f64),
                         observed_ttft: live.observed_ttft.map(|d| d.as_secs_f64()),
                         error_rate: Some(live.error_rate),
-                        cost: model.price.map(|p: Price| p.cost(prompt, 0.0, output)),
+                        cost,
                         context_window: model.context_window.map(|c| c as f64),
                         ..CandidateMetrics::default()
                     },
                     ..Candidate::default()
                 });
-                set.states.push(Arc::clone(&state));
-                set.features.push(None);
-                set.predicted.push(None);
-                set.prefixes.push(None);
+                self.states.push(Arc::clone(&state));
+                self.features.push(None);
+                self.predicted.push(None);
+                self.prefixes.push(None);
             }
         }
-        set
     }
 
     /// Prices each local candidate's placement terms (`placement`), for a
@@ -353,6 +358,57 @@ impl CandidateSet {
                     }
                 }
             }
+        }
+    }
+}
+
+/// What every candidate of one request is built from.
+struct RequestFacts<'a> {
+    request: &'a Request,
+    hashes: &'a [u64],
+    units: PromptUnits,
+    /// The prompt's tokens, when precise mode tokenized it.
+    tokenized: Option<u64>,
+    /// Output tokens, for `Cost`.
+    output: f64,
+    now: Instant,
+}
+
+impl RequestFacts<'_> {
+    /// The prompt's prefix the Pod of `view` holds: by its engines' events
+    /// (`events`, precise mode) and this EPP's routes, or estimated.
+    fn cached_prefix(&self, view: &EndpointView, events: Option<EventsMatch>) -> PrefixPrediction {
+        let (units, hashes, state) = (&self.units, self.hashes, &view.state);
+        let (cached, source, block_size) = match events {
+            Some(matched) => {
+                // A prompt sent here moments ago is cached before the
+                // Pod's events say so: counted from this EPP's routes.
+                let routed = units.of_estimate(state.routed.cached_blocks(hashes, self.now));
+                // A late index lacks what was stored before it joined;
+                // what this EPP routed there since may still be cached.
+                let estimate = matched
+                    .partial
+                    .then(|| units.of_estimate(state.prefix.cached_blocks(hashes)));
+                let events = units.of_events(matched.tokens);
+                events_or_routes(
+                    events,
+                    routed.max(estimate.unwrap_or(0.0)),
+                    matched.block_size,
+                )
+            }
+            None => {
+                let blocks = state.prefix.cached_blocks(hashes);
+                (units.of_estimate(blocks), PrefixSource::Estimate, None)
+            }
+        };
+        PrefixPrediction {
+            cached_tokens: cached,
+            prompt: units.prompt,
+            source,
+            block_size,
+            prompt_tokens: self.tokenized,
+            estimated_prompt: self.request.prompt_tokens,
+            index_block: units.per_estimated_block,
         }
     }
 }
