@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and cache the pinned peers of the side-by-side benchmark (issue 11):
+# Build and cache the pinned peers of the side-by-side benchmark:
 #
 #   gie-epp    sigs.k8s.io/gateway-api-inference-extension ./cmd/epp   (the reference EPP)
 #   llmd-epp   github.com/llm-d/llm-d-inference-scheduler ./cmd/epp    (the llm-d scheduler)

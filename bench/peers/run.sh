@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side with the reference EPPs (issue 11), in one command:
+# Side by side with the reference EPPs, in one command:
 #
 #   bench/peers/run.sh [smoke|full] [more arguments for the bench]
 #

@@ -1,4 +1,4 @@
-//! How quiet the operator is at scale (issue 15): its release binary against
+//! How quiet the operator is at scale: its release binary against
 //! a real kube-apiserver with an audit log, `--policies` InferencePolicies
 //! over `--namespaces` namespaces, in two runs on fresh clusters:
 //!

@@ -1,4 +1,4 @@
-//! Side by side with the reference EPPs (issue 11): the same Envoy, the same
+//! Side by side with the reference EPPs: the same Envoy, the same
 //! simulated pool, one run.
 //!
 //! A real kube-apiserver (`TestCluster`) holds an InferencePool and its Pods

@@ -427,7 +427,8 @@ pub(crate) fn range(values: &[f64]) -> String {
     }
 }
 
-/// Issue 14's target for our TTFT p90 over the reference's, in every rep.
+/// The shared-prefix target for our TTFT p90 over the reference's, in
+/// every rep.
 pub(crate) const P90_TARGET: f64 = 0.8;
 
 /// Rep by rep, `ours[i] / theirs[i]`: the median and the worst (highest),
@@ -447,7 +448,7 @@ pub(crate) fn median_and_worst(ratios: &[f64]) -> String {
 }
 
 /// [`rep_ratios`], and over several reps how many were above `target`
-/// (issue 14's ≤ 0.8× the reference in every rep).
+/// (the shared-prefix target: ≤ 0.8× the reference in every rep).
 pub(crate) fn rep_ratios_against(
     ours: &[(usize, f64)],
     theirs: &[(usize, f64)],
