@@ -362,7 +362,7 @@ impl Metrics {
         self.fallback_answers.inc();
     }
 
-    pub fn bad_request(&self, reason: &str) {
+    pub(crate) fn bad_request(&self, reason: &str) {
         self.bad_requests
             .get_or_create(&labels(&[("reason", reason)]))
             .inc();

@@ -75,7 +75,7 @@ impl PolicyStore {
     }
 
     /// The refusal counter, to register with the metrics.
-    pub fn refusals(&self) -> Counter {
+    pub(crate) fn refusals(&self) -> Counter {
         self.refusals.clone()
     }
 

@@ -237,11 +237,6 @@ impl EndpointRegistry {
         })
     }
 
-    /// The staleness window this registry applies.
-    pub fn staleness(&self) -> Duration {
-        self.staleness
-    }
-
     /// All endpoints with their fresh metrics. Cheap: an atomic load unless
     /// something changed or a metric expired since the last call.
     pub fn snapshot(&self) -> Arc<Vec<EndpointView>> {

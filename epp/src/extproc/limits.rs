@@ -27,12 +27,13 @@ impl BodyBudget {
     }
 
     /// Bytes held by all streams now.
-    pub fn used(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn used(&self) -> usize {
         usize::try_from(self.used.get()).unwrap_or(0)
     }
 
     /// An empty hold on this budget, for one stream.
-    pub fn hold(self: &Arc<Self>) -> BodyHold {
+    pub(crate) fn hold(self: &Arc<Self>) -> BodyHold {
         BodyHold {
             budget: Arc::clone(self),
             bytes: 0,

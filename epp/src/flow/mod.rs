@@ -65,7 +65,7 @@ pub struct Turn(oneshot::Sender<bool>);
 impl Turn {
     /// `left`: the request was dispatched or answered, and counts as such
     /// (in flight on its destination) from now on.
-    pub fn answer(self, left: bool) {
+    pub(crate) fn answer(self, left: bool) {
         let _ = self.0.send(left);
     }
 }
@@ -297,7 +297,7 @@ impl Waiting {
     }
 
     /// How long it has waited.
-    pub fn waited(&self) -> Duration {
+    pub(crate) fn waited(&self) -> Duration {
         self.since.elapsed()
     }
 

@@ -241,11 +241,11 @@ impl<T> Queue<T> {
     }
 
     /// The rule the request `id` waits for.
-    pub fn rule_of(&self, id: Id) -> Option<&str> {
+    pub(crate) fn rule_of(&self, id: Id) -> Option<&str> {
         self.entries.get(&id).map(|e| e.rule.as_str())
     }
 
-    pub fn payload(&self, id: Id) -> Option<&T> {
+    pub(crate) fn payload(&self, id: Id) -> Option<&T> {
         self.entries.get(&id).map(|e| &e.payload)
     }
 

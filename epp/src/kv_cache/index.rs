@@ -383,7 +383,7 @@ impl PodKvIndex {
     }
 
     /// An empty index whose engines show their blocks in `pool`.
-    pub fn in_pool(cap: usize, pool: Arc<PoolIndex>) -> Self {
+    pub(crate) fn in_pool(cap: usize, pool: Arc<PoolIndex>) -> Self {
         PodKvIndex {
             pool,
             inner: Mutex::new(Inner {

@@ -77,7 +77,7 @@ impl PromptTokenizer {
 
     /// Tokenizes `prompt` on the tokenizer threads within the budget;
     /// `None` when over budget or every slot is taken.
-    pub async fn tokenize(&self, prompt: PromptText) -> Option<PromptTokens> {
+    pub(crate) async fn tokenize(&self, prompt: PromptText) -> Option<PromptTokens> {
         let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() else {
             self.count("busy");
             return None;

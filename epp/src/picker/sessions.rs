@@ -46,7 +46,7 @@ impl Default for Sessions {
 }
 
 impl Sessions {
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
         Sessions {
             inner: Mutex::new(Table {
                 by_key: HashMap::new(),

@@ -62,7 +62,7 @@ impl SeedGate {
     }
 
     /// A request was sent to seed a replica at `now`.
-    pub fn seeded(&self, now: Instant) {
+    pub(crate) fn seeded(&self, now: Instant) {
         *lock(&self.last) = Some(now);
         self.seeded.inc();
     }

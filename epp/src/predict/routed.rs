@@ -66,7 +66,7 @@ impl Routes {
 
 impl RoutedPrefixes {
     /// Keeps at most `capacity` block hashes, all routes together.
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
         RoutedPrefixes {
             routes: Mutex::default(),
             capacity,

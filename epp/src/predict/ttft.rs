@@ -653,7 +653,7 @@ impl TtftPredictor {
 
     /// Coefficients currently used for `endpoint` (its own model once trained,
     /// else the global one), e.g. for debugging or metrics.
-    pub fn coefficients(&self, endpoint: &EndpointTtft) -> TtftCoefficients {
+    pub(crate) fn coefficients(&self, endpoint: &EndpointTtft) -> TtftCoefficients {
         if let Some(rls) = lock(&endpoint.rls).as_ref()
             && rls.n >= self.cfg.min_endpoint_observations
         {
