@@ -167,6 +167,14 @@ struct Prepared {
     policy_hash: Option<String>,
 }
 
+/// One evaluation's inputs, as a decision keeps them.
+struct Evaluated {
+    request: Request,
+    tags: Tags,
+    candidates: Vec<kinference_policy::eval::Candidate>,
+    seed: u64,
+}
+
 /// Counts a decision in `/metrics`.
 fn observe(metrics: &Metrics, pick: &Pick, took: Duration) {
     let (rule, outcome) = match pick {
@@ -196,6 +204,17 @@ pub enum Pick {
 }
 
 impl Pick {
+    /// A reject before any rule ran (no policy, no model).
+    fn reject_before_rules(status: u16, message: &str) -> Pick {
+        Pick::Reject {
+            rule: None,
+            status,
+            message: message.into(),
+            wait: None,
+            detail: None,
+        }
+    }
+
     /// How long the request may wait for room, if it should.
     fn waits(&self) -> Option<Duration> {
         match self {
@@ -327,13 +346,8 @@ impl Picker {
     async fn pick_prepared(&self, incoming: &Incoming<'_>, prepared: &mut Prepared) -> Pick {
         let started = Instant::now();
         let Some(policy) = self.policy.current() else {
-            return Pick::Reject {
-                rule: None,
-                status: 503,
-                message: "the endpoint picker has no policy loaded yet".into(),
-                wait: None,
-                detail: None,
-            };
+            let message = "the endpoint picker has no policy loaded yet";
+            return Pick::reject_before_rules(503, message);
         };
         let mut request = self.request_attributes(&policy, incoming);
         let session = policy
@@ -354,27 +368,10 @@ impl Picker {
                 .map(|a| a.to_string());
         }
         if request.model.is_empty() {
-            return Pick::Reject {
-                rule: None,
-                status: 400,
-                message: "the request names no model (body field `model`)".into(),
-                wait: None,
-                detail: None,
-            };
+            let message = "the request names no model (body field `model`)";
+            return Pick::reject_before_rules(400, message);
         }
-        // Tags name classifiers by their place in the policy that ran them.
-        if prepared.policy_hash.as_deref() != Some(policy.compiled.hash.as_str()) {
-            prepared.tags = Tags::default();
-            prepared.policy_hash = Some(policy.compiled.hash.clone());
-        }
-        if prepared.hashes.is_none() {
-            let mut hashes = Vec::new();
-            block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
-            prepared.hashes = Some(hashes);
-        }
-        if prepared.tokens.is_none() {
-            prepared.tokens = Some(self.prompt_tokens(incoming).await);
-        }
+        self.prepare(prepared, &policy, incoming).await;
         let hashes = prepared.hashes.as_deref().unwrap_or_default();
         let tokens = prepared.tokens.as_ref().and_then(Option::as_ref);
         let set = CandidateSet::build(self, &policy, &request, hashes, tokens, incoming.subset);
@@ -418,6 +415,60 @@ impl Picker {
             let detail = decision_detail(&policy.compiled, &request, &tags, &set.candidates, seed);
             pick.set_detail(detail);
         }
+        let waited = prepared.waiting_since.map(|since| Waited {
+            priority: request.priority,
+            took: since.elapsed(),
+            outcome: wait_outcome,
+        });
+        let evaluated = Evaluated {
+            request,
+            tags,
+            candidates: set.candidates,
+            seed,
+        };
+        self.record(&policy, evaluated, &decision, waited);
+        pick
+    }
+
+    /// What every evaluation of a request shares: the classifiers' tags
+    /// (again under another policy), the prompt's block hashes and, in
+    /// precise mode, its tokens.
+    async fn prepare(
+        &self,
+        prepared: &mut Prepared,
+        policy: &LoadedPolicy,
+        incoming: &Incoming<'_>,
+    ) {
+        // Tags name classifiers by their place in the policy that ran them.
+        if prepared.policy_hash.as_deref() != Some(policy.compiled.hash.as_str()) {
+            prepared.tags = Tags::default();
+            prepared.policy_hash = Some(policy.compiled.hash.clone());
+        }
+        if prepared.hashes.is_none() {
+            let mut hashes = Vec::new();
+            block_hashes(&incoming.body.prompt, self.config.block_chars, &mut hashes);
+            prepared.hashes = Some(hashes);
+        }
+        if prepared.tokens.is_none() {
+            prepared.tokens = Some(self.prompt_tokens(incoming).await);
+        }
+    }
+
+    /// Keeps a decision: in the decision log, if one is set, and among the
+    /// recent decisions `/debug/explain` replays.
+    fn record(
+        &self,
+        policy: &Arc<LoadedPolicy>,
+        evaluated: Evaluated,
+        decision: &Decision,
+        waited: Option<Waited>,
+    ) {
+        let Evaluated {
+            request,
+            tags,
+            candidates,
+            seed,
+        } = evaluated;
         if let Some(log) = self.decision_log.get() {
             log.offer(|| {
                 DecisionRecord::new(
@@ -425,27 +476,21 @@ impl Picker {
                     &policy.compiled,
                     &request,
                     &tags,
-                    set.candidates.clone(),
-                    &decision,
+                    candidates.clone(),
+                    decision,
                     seed,
                 )
             });
         }
-        let priority = request.priority;
         self.recent.push(RecordedDecision {
             at: std::time::SystemTime::now(),
-            policy: policy.clone(),
+            policy: Arc::clone(policy),
             request,
             tags,
-            candidates: set.candidates,
+            candidates,
             seed,
-            waited: prepared.waiting_since.map(|since| Waited {
-                priority,
-                took: since.elapsed(),
-                outcome: wait_outcome,
-            }),
+            waited,
         });
-        pick
     }
 
     /// A newcomer whose rule would route it, while requests of that rule
