@@ -129,8 +129,30 @@ impl Pool {
         self.epp.picker.metrics().render(self.epp.registry(), None)
     }
 
-    /// Waits until `n` requests were decided to a Pod.
+    /// Waits until `n` requests were decided to a Pod and count in
+    /// flight there: a decision is counted when it is made, a request in
+    /// flight once it is dispatched, a moment later.
     async fn dispatched(&self, n: usize) {
+        self.decided(n).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let in_flight: u64 = self
+                .epp
+                .registry()
+                .snapshot()
+                .iter()
+                .map(|view| view.state.stats.running())
+                .sum();
+            if in_flight == n as u64 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{in_flight} in flight, not {n}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits until `n` requests were decided to a Pod.
+    async fn decided(&self, n: usize) {
         let line = format!(r#"kinference_epp_decisions_total{{rule="waits",outcome="local"}} {n}"#);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !self.metrics().contains(&line) {
@@ -149,12 +171,20 @@ impl Pool {
     }
 }
 
+/// The tests of this file run one at a time: each holds its Pods full
+/// with answers the simulators time, and reads what the EPP does
+/// meanwhile. Side by side, with the other test's simulators, Envoy and
+/// EPP on the same 2 cores, one run in four or five routed a request the
+/// test meant to keep waiting; one at a time, none in 15.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn free_port() -> u16 {
     kinference_testbed::free_port().expect("a free port")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn room_goes_to_the_highest_priority_and_a_full_queue_sheds_the_lowest() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let pool = Pool::start(&policy("30s", 4)).await;
     // Both Pods full: four answers of 60 tokens (about 1.2 s).
     let running: Vec<_> = (0..4)
@@ -227,6 +257,7 @@ async fn room_goes_to_the_highest_priority_and_a_full_queue_sheds_the_lowest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_ends_at_max_wait_with_the_rules_reject_and_a_client_that_leaves_gives_up_its_place()
 {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let pool = Pool::start(&policy("400ms", 100)).await;
     let running: Vec<_> = (0..4)
         .map(|i| pool.send("chat", 150, &format!("fill-{i}")))
