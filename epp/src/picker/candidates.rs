@@ -107,7 +107,7 @@ impl CandidateSet {
             let recent = set.push_local(picker, compiled, &facts, view, address, prefix);
             recent_routes.extend(std::iter::repeat_n(recent, view.endpoint.models.len()));
         }
-        set.place(picker, policy, &units, hashes, &recent_routes, now);
+        set.place(picker, policy, &facts, &recent_routes);
         set.push_providers(picker, compiled, &facts);
         set
     }
@@ -242,11 +242,10 @@ impl CandidateSet {
         &mut self,
         picker: &Picker,
         policy: &LoadedPolicy,
-        units: &PromptUnits,
-        hashes: &[u64],
+        facts: &RequestFacts<'_>,
         recent_routes: &[f64],
-        now: Instant,
     ) {
+        let (units, hashes, now) = (&facts.units, facts.hashes, facts.now);
         let reads = &policy.compiled.reads;
         if !reads.ranks_by_predicted_ttft || reads.filters_on_predicted_ttft {
             return;

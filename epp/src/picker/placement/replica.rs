@@ -19,6 +19,8 @@
 //! paid back: each costs a batch slot for a whole prefill and evicts
 //! other prefixes, and those prefills queued everything behind them.
 
+use std::cell::LazyCell;
+
 use super::{Local, Pod};
 use crate::predict::{TtftFeatures, reuse};
 
@@ -41,7 +43,7 @@ pub(super) fn prices<P: Pod>(
     shared: impl FnOnce() -> Vec<f64>,
 ) -> Vec<Option<ReplicaPrice>> {
     let mut bests: Vec<(&str, Option<f64>)> = Vec::new();
-    let mut shared = Lazy::new(shared);
+    let shared = LazyCell::new(shared);
     let mut priced = vec![None; locals.len()];
     for (i, local) in locals.iter().enumerate() {
         let Some(local) = local.as_ref().filter(|_| !hot[i]) else {
@@ -58,7 +60,7 @@ pub(super) fn prices<P: Pod>(
         let Some(best) = best.filter(|&best| local.cached < best) else {
             continue;
         };
-        priced[i] = price(local, best, rooms[i], &mut shared);
+        priced[i] = price(local, best, rooms[i], &shared);
     }
     priced
 }
@@ -69,7 +71,7 @@ fn price<P: Pod>(
     local: &Local<'_, P>,
     best: f64,
     room: f64,
-    shared: &mut Lazy<impl FnOnce() -> Vec<f64>>,
+    shared: &LazyCell<Vec<f64>, impl FnOnce() -> Vec<f64>>,
 ) -> Option<ReplicaPrice> {
     let (features, predicted) = (local.features?, local.predicted?);
     if features.waiting > 0.0 {
@@ -80,7 +82,7 @@ fn price<P: Pod>(
         ..features
     };
     let at_best = local.pod.predict(&as_best);
-    let reusers = reuse::reusers(shared.get(), local.cached, best);
+    let reusers = reuse::reusers(shared, local.cached, best);
     let amortized = reuse::amortized(predicted, at_best, reusers);
     if amortized >= predicted {
         // No cheaper as a replica: the Pod's index need not be walked.
@@ -105,28 +107,6 @@ fn queued_best<P: Pod>(locals: &[Option<Local<'_, P>>], model: &str) -> Option<f
         .filter(|l| l.cached >= best)
         .all(|l| l.features.is_some_and(|f| f.waiting >= 1.0) && l.pod.trained());
     (best > 0.0 && queued).then_some(best)
-}
-
-/// A value computed on first use.
-struct Lazy<F> {
-    make: Option<F>,
-    value: Vec<f64>,
-}
-
-impl<F: FnOnce() -> Vec<f64>> Lazy<F> {
-    fn new(make: F) -> Self {
-        Lazy {
-            make: Some(make),
-            value: Vec::new(),
-        }
-    }
-
-    fn get(&mut self) -> &[f64] {
-        if let Some(make) = self.make.take() {
-            self.value = make();
-        }
-        &self.value
-    }
 }
 
 #[cfg(test)]
